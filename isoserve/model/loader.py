@@ -1,0 +1,158 @@
+"""load_checkpoint: from a model name to config, weights and tokenizer in one call.
+
+Converting a GGUF (parsing it, dequantizing, building the tokenizer) takes seconds, so the
+result is cached as safetensors + JSON + a saved tokenizer and later loads read only those.
+Hugging Face folders are safetensors already and are read directly.
+"""
+from __future__ import annotations
+
+import hashlib
+import json
+import logging
+import os
+import shutil
+import tempfile
+import time
+from dataclasses import asdict, dataclass
+from pathlib import Path
+
+import torch
+from safetensors.torch import load_file, save_file
+from transformers import PreTrainedTokenizerFast
+
+from isoserve.model.config import ModelConfig
+from isoserve.model.gguf_loader import read_gguf
+from isoserve.model.hf_loader import read_hf_checkpoint
+from isoserve.model.registry import ModelSource, resolve_model
+from isoserve.model.tokenizer import load_tokenizer
+
+log = logging.getLogger("isoserve.model")
+
+# Part of every cache key: bump it when the conversion changes so old entries are never read.
+CACHE_FORMAT = 1
+# A temp folder this old was left by a crashed writer (a conversion takes seconds).
+_STALE_TEMP_SECONDS = 3600
+
+
+@dataclass
+class Checkpoint:
+    name: str
+    source: ModelSource
+    config: ModelConfig
+    weights: dict[str, torch.Tensor]  # Hugging Face Llama names; no lm_head when tied
+    tokenizer: PreTrainedTokenizerFast
+    from_cache: bool = False  # True when a GGUF's converted weights came from the cache
+
+
+def default_cache_dir() -> Path:
+    return Path(os.environ.get("ISOSERVE_CACHE_DIR") or Path.home() / ".cache" / "isoserve")
+
+
+def load_checkpoint(model: str, dtype: torch.dtype, cache_dir: Path | None = None) -> Checkpoint:
+    start = time.perf_counter()
+    source = resolve_model(model)
+    from_cache = False
+    if source.kind == "hf":
+        config, weights = read_hf_checkpoint(source.path, dtype)
+        tokenizer = load_tokenizer(source)
+        cache_state = "unused"
+    else:
+        entry = Path(cache_dir or default_cache_dir()) / _cache_key(source.path, dtype)
+        cached = _read_cache_entry(entry, source) if entry.is_dir() else None
+        from_cache = cached is not None
+        config, weights, tokenizer = cached or _convert_gguf(source, dtype, entry)
+        cache_state = "hit" if from_cache else "miss"
+    _check_weights(config, weights)
+    log.info("loaded model=%s source=%s dtype=%s cache=%s seconds=%.2f", source.name, source.path,
+             _dtype_name(dtype), cache_state, time.perf_counter() - start)
+    return Checkpoint(source.name, source, config, weights, tokenizer, from_cache)
+
+
+def _cache_key(gguf: Path, dtype: torch.dtype) -> str:
+    # File identity from stat, not a content hash: hashing 100 MB+ would cost more than we save.
+    stat = gguf.stat()
+    ident = f"{CACHE_FORMAT}|{gguf.resolve()}|{stat.st_size}|{stat.st_mtime_ns}|{dtype}"
+    return f"{gguf.stem}-{_dtype_name(dtype)}-{hashlib.sha256(ident.encode()).hexdigest()[:16]}"
+
+
+def _read_cache_entry(entry: Path, source: ModelSource):
+    try:
+        raw = json.loads((entry / "config.json").read_text())
+        config = ModelConfig(**{**raw, "eos_token_ids": tuple(raw["eos_token_ids"])})  # JSON has lists
+        return config, load_file(entry / "model.safetensors"), load_tokenizer(source, entry / "tokenizer")
+    except Exception as e:  # e.g. files truncated by a power loss after the rename
+        log.warning("cache entry %s is unreadable (%s); converting again", entry, e)
+        shutil.rmtree(entry, ignore_errors=True)
+        return None
+
+
+def _convert_gguf(source: ModelSource, dtype: torch.dtype, entry: Path):
+    config, weights = read_gguf(source.path, dtype)
+    tokenizer = load_tokenizer(source)
+    try:
+        _write_cache_entry(entry, config, weights, tokenizer)
+    except OSError as e:  # a full disk or read-only cache dir costs speed, not the load
+        log.warning("could not cache converted weights at %s: %s", entry, e)
+    return config, weights, tokenizer
+
+
+def _write_cache_entry(entry: Path, config: ModelConfig, weights: dict[str, torch.Tensor],
+                       tokenizer: PreTrainedTokenizerFast) -> None:
+    entry.parent.mkdir(parents=True, exist_ok=True)
+    for stale in entry.parent.glob(f".{entry.name}.*"):
+        if time.time() - stale.stat().st_mtime > _STALE_TEMP_SECONDS:
+            shutil.rmtree(stale, ignore_errors=True)
+    # Build the entry in a hidden temp folder and rename it into place in one step, so a crash
+    # mid-write leaves a temp folder but never a half-written entry.
+    temp = Path(tempfile.mkdtemp(prefix=f".{entry.name}.", dir=entry.parent))
+    try:
+        save_file({k: v.contiguous() for k, v in weights.items()}, temp / "model.safetensors")
+        (temp / "config.json").write_text(json.dumps(asdict(config), indent=1))
+        tokenizer.save_pretrained(temp / "tokenizer")
+        try:
+            temp.rename(entry)
+        except OSError:
+            if not entry.is_dir():
+                raise  # otherwise a concurrent loader wrote the same entry first: keep theirs
+    finally:
+        shutil.rmtree(temp, ignore_errors=True)  # nothing left there after a successful rename
+
+
+def _check_weights(config: ModelConfig, weights: dict[str, torch.Tensor]) -> None:
+    """Fail at load time, naming the tensors, rather than deep inside the first forward pass."""
+    expected = _expected_shapes(config)
+    problems = [f"missing {n}" for n in expected if n not in weights]
+    problems += [f"unexpected {n}" for n in weights if n not in expected]
+    problems += [f"{n} has shape {tuple(weights[n].shape)}, expected {shape}"
+                 for n, shape in expected.items() if n in weights and tuple(weights[n].shape) != shape]
+    if problems:
+        more = f" (and {len(problems) - 5} more)" if len(problems) > 5 else ""
+        raise ValueError(f"checkpoint does not match its config: {'; '.join(problems[:5])}{more}")
+
+
+def _expected_shapes(c: ModelConfig) -> dict[str, tuple[int, ...]]:
+    h, inter, q, kv = c.hidden_size, c.intermediate_size, c.num_heads * c.head_dim, c.num_kv_heads * c.head_dim
+    shapes = {"model.embed_tokens.weight": (c.vocab_size, h), "model.norm.weight": (h,)}
+    if not c.tie_word_embeddings:
+        shapes["lm_head.weight"] = (c.vocab_size, h)
+    for i in range(c.num_layers):
+        p = f"model.layers.{i}."
+        shapes |= {
+            p + "input_layernorm.weight": (h,),
+            p + "self_attn.q_proj.weight": (q, h),
+            p + "self_attn.k_proj.weight": (kv, h),
+            p + "self_attn.v_proj.weight": (kv, h),
+            p + "self_attn.o_proj.weight": (h, q),
+            p + "post_attention_layernorm.weight": (h,),
+            p + "mlp.gate_proj.weight": (inter, h),
+            p + "mlp.up_proj.weight": (inter, h),
+            p + "mlp.down_proj.weight": (h, inter),
+        }
+        if c.attention_bias:
+            shapes |= {p + "self_attn.q_proj.bias": (q,), p + "self_attn.k_proj.bias": (kv,),
+                       p + "self_attn.v_proj.bias": (kv,)}
+    return shapes
+
+
+def _dtype_name(dtype: torch.dtype) -> str:
+    return str(dtype).removeprefix("torch.")
