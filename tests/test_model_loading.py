@@ -1,0 +1,227 @@
+"""Model loading on real files: the packaged SmolLM2 GGUF, tiny HF folders and tiny GGUFs."""
+from __future__ import annotations
+
+import json
+import logging
+import os
+import shutil
+
+os.environ.setdefault("HF_HUB_OFFLINE", "1")  # before transformers reads it: never touch the hub
+
+import gguf
+import pytest
+import torch
+from safetensors.torch import load_file, save_file
+from transformers import AutoModelForCausalLM
+
+from isoserve.model.loader import default_cache_dir, load_checkpoint
+from isoserve.model.registry import DEFAULT_MODEL, resolve_model
+from tiny_models import make_tiny_gguf, make_tiny_llama
+
+TEXT = "Hello world! The invoice is due on 2026-09-15, Yusuf Okonkwo-Reyes.\n  Ünïcödé ✓"
+
+
+@pytest.fixture(scope="session")
+def cache_dir(tmp_path_factory):
+    return tmp_path_factory.mktemp("isoserve-cache")  # never the user's ~/.cache/isoserve
+
+
+@pytest.fixture(scope="session")
+def smollm2(cache_dir):
+    """The default model loaded twice in float32: a conversion, then a cache hit."""
+    first = load_checkpoint(DEFAULT_MODEL, torch.float32, cache_dir)
+    second = load_checkpoint(DEFAULT_MODEL, torch.float32, cache_dir)
+    return first, second
+
+
+@pytest.fixture(scope="module")
+def transformers_smollm2_state():
+    # transformers' own GGUF loader (about 20 s) is the reference for our reverse permutation.
+    path = resolve_model(DEFAULT_MODEL).path
+    model = AutoModelForCausalLM.from_pretrained(path.parent, gguf_file=path.name, dtype=torch.float32,
+                                                 local_files_only=True)
+    return model.state_dict()
+
+
+@pytest.fixture(scope="session")
+def tiny_llama(tmp_path_factory):
+    return make_tiny_llama(tmp_path_factory.mktemp("tiny-llama"))
+
+
+@pytest.fixture(scope="session")
+def tiny_gguf(tmp_path_factory, tiny_llama):
+    return make_tiny_gguf(tmp_path_factory.mktemp("tiny-gguf") / "tiny.gguf", tiny_llama)
+
+
+def test_default_model_is_the_packaged_gguf():
+    source = resolve_model(DEFAULT_MODEL)
+    assert source.kind == "gguf" and source.name == DEFAULT_MODEL
+    assert source.path.name == "SmolLM2-135M-Instruct.Q4_1.gguf" and source.path.is_file()
+
+
+def test_unknown_models_are_refused(tmp_path):
+    (tmp_path / "weights.bin").write_bytes(b"")
+    no_safetensors = tmp_path / "bin-only"
+    no_safetensors.mkdir()
+    (no_safetensors / "config.json").write_text("{}")
+    for name in ("no-such-model", str(tmp_path), str(tmp_path / "weights.bin"), str(no_safetensors)):
+        with pytest.raises(ValueError):
+            resolve_model(name)
+
+
+def test_cache_dir_defaults_to_the_environment_variable(monkeypatch, tmp_path):
+    monkeypatch.setenv("ISOSERVE_CACHE_DIR", str(tmp_path))
+    assert default_cache_dir() == tmp_path
+
+
+def test_smollm2_config_matches_known_facts(smollm2):
+    cfg = smollm2[0].config
+    assert cfg.architecture == "llama"
+    assert (cfg.num_layers, cfg.hidden_size, cfg.intermediate_size) == (30, 576, 1536)
+    assert (cfg.num_heads, cfg.num_kv_heads, cfg.head_dim) == (9, 3, 64)
+    assert (cfg.vocab_size, cfg.max_position_embeddings) == (49152, 8192)
+    assert cfg.tie_word_embeddings and not cfg.attention_bias and cfg.rope_scaling is None
+    assert cfg.rope_theta == 100000.0 and cfg.rms_norm_eps == 1e-5  # as in its HF config
+    assert cfg.bos_token_id == 1 and cfg.eos_token_ids == (2,)  # <|im_start|>, <|im_end|>
+    assert cfg.kv_bytes_per_token(2) == 23040  # the 22.5 KiB per token of the design notes
+
+
+def test_weights_have_hf_names_and_requested_dtype(smollm2):
+    weights = smollm2[0].weights
+    assert "lm_head.weight" not in weights  # tied: the model reuses the embedding
+    assert weights["model.embed_tokens.weight"].shape == (49152, 576)
+    assert weights["model.layers.29.self_attn.k_proj.weight"].shape == (192, 576)
+    assert all(w.dtype == torch.float32 for w in weights.values())
+
+
+def test_second_load_is_served_from_cache_with_identical_tensors(smollm2):
+    first, second = smollm2
+    assert not first.from_cache and second.from_cache
+    assert second.config == first.config
+    assert second.weights.keys() == first.weights.keys()
+    for name, tensor in first.weights.items():
+        assert torch.equal(second.weights[name], tensor), name
+
+
+def test_each_load_logs_one_line(smollm2, cache_dir, caplog):
+    with caplog.at_level(logging.INFO, logger="isoserve.model"):
+        load_checkpoint(DEFAULT_MODEL, torch.float32, cache_dir)
+    [record] = [r for r in caplog.records if r.name == "isoserve.model"]
+    assert "cache=hit" in record.message and "dtype=float32" in record.message
+
+
+def test_tokenizer_round_trips_text_and_has_chat_template(smollm2):
+    for checkpoint in smollm2:  # built from the GGUF, then read back from the cache
+        tok = checkpoint.tokenizer
+        ids = tok.encode(TEXT, add_special_tokens=False)
+        assert tok.decode(ids) == TEXT
+        assert tok.eos_token_id == 2 and tok.eos_token_id in checkpoint.config.eos_token_ids
+        prompt = tok.apply_chat_template([{"role": "user", "content": "hi"}], tokenize=False,
+                                         add_generation_prompt=True)
+        assert prompt.endswith("<|im_start|>user\nhi<|im_end|>\n<|im_start|>assistant\n")
+    assert smollm2[0].tokenizer.encode(TEXT) == smollm2[1].tokenizer.encode(TEXT)
+
+
+@pytest.mark.parametrize("layer", [0, 14, 29])
+def test_gguf_weights_match_transformers_gguf_loader(smollm2, transformers_smollm2_state, layer):
+    ours, theirs = smollm2[0].weights, transformers_smollm2_state
+    names = [n for n in ours if n.startswith(f"model.layers.{layer}.")]
+    assert len(names) == 9
+    for name in names + ["model.embed_tokens.weight", "model.norm.weight"]:
+        torch.testing.assert_close(ours[name], theirs[name], msg=name)
+
+
+def test_bfloat16_is_cached_separately_and_matches_float32(smollm2, cache_dir):
+    first = load_checkpoint(DEFAULT_MODEL, torch.bfloat16, cache_dir)
+    second = load_checkpoint(DEFAULT_MODEL, torch.bfloat16, cache_dir)
+    assert not first.from_cache and second.from_cache
+    for name, tensor in smollm2[0].weights.items():
+        assert first.weights[name].dtype == torch.bfloat16
+        assert torch.equal(first.weights[name], tensor.to(torch.bfloat16)), name
+        assert torch.equal(second.weights[name], first.weights[name]), name
+
+
+def test_hf_folder_loads_identical_tensors(tiny_llama, smollm2, cache_dir):
+    checkpoint = load_checkpoint(str(tiny_llama), torch.float32, cache_dir)
+    assert checkpoint.source.kind == "hf" and not checkpoint.from_cache
+    cfg = checkpoint.config
+    assert (cfg.num_layers, cfg.hidden_size, cfg.intermediate_size) == (2, 64, 128)
+    assert (cfg.num_heads, cfg.num_kv_heads, cfg.head_dim) == (4, 2, 16)
+    assert (cfg.vocab_size, cfg.max_position_embeddings) == (49152, 2048)
+    assert not cfg.tie_word_embeddings and cfg.eos_token_ids == (2,) and cfg.bos_token_id == 1
+    reference = AutoModelForCausalLM.from_pretrained(tiny_llama, local_files_only=True).state_dict()
+    assert checkpoint.weights.keys() == reference.keys()
+    for name, tensor in reference.items():
+        assert torch.equal(checkpoint.weights[name], tensor), name
+    assert checkpoint.tokenizer.encode(TEXT) == smollm2[0].tokenizer.encode(TEXT)
+    assert checkpoint.tokenizer.chat_template == smollm2[0].tokenizer.chat_template
+
+
+def test_hf_folder_casts_to_requested_dtype(tiny_llama):
+    checkpoint = load_checkpoint(str(tiny_llama), torch.bfloat16)  # HF folders never use the cache
+    assert all(w.dtype == torch.bfloat16 for w in checkpoint.weights.values())
+
+
+def test_tiny_llama_is_deterministic(tmp_path):
+    a = make_tiny_llama(tmp_path / "a", seed=3)
+    b = make_tiny_llama(tmp_path / "b", seed=3)
+    c = make_tiny_llama(tmp_path / "c", seed=4)
+    assert (a / "model.safetensors").read_bytes() == (b / "model.safetensors").read_bytes()
+    assert (a / "model.safetensors").read_bytes() != (c / "model.safetensors").read_bytes()
+
+
+def test_gguf_round_trip_undoes_llama_cpp_permutation_exactly(tiny_gguf, tiny_llama, cache_dir):
+    # llama.cpp's converter permuted Q/K of the tiny model (4 query heads, 2 KV heads); loading
+    # must give back exactly the Hugging Face tensors it started from.
+    checkpoint = load_checkpoint(str(tiny_gguf), torch.float32, cache_dir)
+    reference = load_file(tiny_llama / "model.safetensors")
+    assert checkpoint.weights.keys() == reference.keys()
+    for name, tensor in reference.items():
+        assert torch.equal(checkpoint.weights[name], tensor), name
+
+
+def test_broken_cache_entry_is_rebuilt(tiny_gguf, tiny_llama, tmp_path):
+    first = load_checkpoint(str(tiny_gguf), torch.float32, tmp_path)
+    [entry] = [p for p in tmp_path.iterdir() if not p.name.startswith(".")]
+    # What crashes could leave: a half-written temp folder beside the entry (ignored), and an
+    # entry whose file lost its tail after the rename (detected and converted again).
+    (tmp_path / f".{entry.name}.crashed").mkdir()
+    weights_file = entry / "model.safetensors"
+    weights_file.write_bytes(weights_file.read_bytes()[:1000])
+    rebuilt = load_checkpoint(str(tiny_gguf), torch.float32, tmp_path)
+    again = load_checkpoint(str(tiny_gguf), torch.float32, tmp_path)
+    assert not first.from_cache and not rebuilt.from_cache and again.from_cache
+    reference = load_file(tiny_llama / "model.safetensors")
+    for name, tensor in reference.items():
+        assert torch.equal(again.weights[name], tensor), name
+
+
+def test_unsupported_gguf_architecture_is_refused(tmp_path):
+    path = tmp_path / "gemma.gguf"
+    writer = gguf.GGUFWriter(path, "gemma3")
+    writer.add_block_count(1)
+    writer.write_header_to_file()
+    writer.write_kv_data_to_file()
+    writer.write_tensors_to_file()
+    writer.close()
+    with pytest.raises(ValueError, match="architecture 'gemma3' is not supported"):
+        load_checkpoint(str(path), torch.float32, tmp_path / "cache")
+
+
+def test_unsupported_hf_architecture_is_refused(tiny_llama, tmp_path):
+    folder = tmp_path / "gpt2"
+    shutil.copytree(tiny_llama, folder)
+    config = json.loads((folder / "config.json").read_text())
+    (folder / "config.json").write_text(json.dumps({**config, "architectures": ["GPT2LMHeadModel"]}))
+    with pytest.raises(ValueError, match="GPT2LMHeadModel"):
+        load_checkpoint(str(folder), torch.float32)
+
+
+def test_checkpoint_missing_a_tensor_is_refused(tiny_llama, tmp_path):
+    folder = tmp_path / "incomplete"
+    shutil.copytree(tiny_llama, folder)
+    weights = load_file(folder / "model.safetensors")
+    del weights["model.layers.1.mlp.up_proj.weight"]
+    save_file(weights, folder / "model.safetensors", metadata={"format": "pt"})
+    with pytest.raises(ValueError, match="missing model.layers.1.mlp.up_proj.weight"):
+        load_checkpoint(str(folder), torch.float32)

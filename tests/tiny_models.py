@@ -1,0 +1,114 @@
+"""Tiny random-weight checkpoints with SmolLM2's real tokenizer and chat template, for fast tests.
+
+make_tiny_llama writes a Hugging Face LlamaForCausalLM folder; make_tiny_gguf converts such a
+folder to a GGUF exactly as llama.cpp's converter would, so GGUF code can be checked against
+known weights. Both are deterministic for a given seed.
+"""
+from __future__ import annotations
+
+import functools
+import json
+import os
+import tempfile
+from pathlib import Path
+
+os.environ.setdefault("HF_HUB_OFFLINE", "1")  # before transformers reads it: never touch the hub
+
+import gguf
+import numpy as np
+import torch
+from safetensors.torch import load_file, save_file
+from transformers import LlamaConfig, LlamaForCausalLM
+
+from isoserve.model.registry import DEFAULT_MODEL, resolve_model
+from isoserve.model.tokenizer import load_tokenizer
+
+SMOLLM2_VOCAB_SIZE = 49152
+SMOLLM2_BOS, SMOLLM2_EOS = 1, 2  # <|im_start|>, <|im_end|>
+
+
+def make_tiny_llama(path: Path, *, num_heads: int = 4, num_kv_heads: int = 2, hidden_size: int = 64,
+                    num_layers: int = 2, intermediate_size: int = 128, seed: int = 0) -> Path:
+    path.mkdir(parents=True, exist_ok=True)
+    config = LlamaConfig(
+        vocab_size=SMOLLM2_VOCAB_SIZE, hidden_size=hidden_size, intermediate_size=intermediate_size,
+        num_hidden_layers=num_layers, num_attention_heads=num_heads, num_key_value_heads=num_kv_heads,
+        max_position_embeddings=2048, rms_norm_eps=1e-5, bos_token_id=SMOLLM2_BOS,
+        eos_token_id=SMOLLM2_EOS, tie_word_embeddings=False,
+        # Unit-scale activations instead of HF's 0.02: with tiny weights every output is close to
+        # uniform and barely depends on the context, which would hide attention and KV bugs.
+        initializer_range=hidden_size ** -0.5,
+        architectures=["LlamaForCausalLM"],  # model.save_pretrained would add it; we save by hand
+    )
+    with torch.random.fork_rng(devices=[]):  # deterministic without disturbing the caller's RNG
+        torch.manual_seed(seed)
+        model = LlamaForCausalLM(config)
+        with torch.no_grad():  # norms start at exactly 1; random ones catch a dropped norm weight
+            for name, param in model.named_parameters():
+                if name.endswith("norm.weight"):
+                    param.copy_(1 + 0.2 * torch.randn_like(param))
+    config.save_pretrained(path)
+    save_file({k: v.contiguous() for k, v in model.state_dict().items()}, path / "model.safetensors",
+              metadata={"format": "pt"})
+    for name, data in _smollm2_tokenizer_files().items():
+        (path / name).write_bytes(data)
+    return path
+
+
+def make_tiny_gguf(path: Path, hf_folder: Path) -> Path:
+    """An F32 GGUF of a make_tiny_llama folder, written as llama.cpp's convert_hf_to_gguf.py does:
+    its metadata keys, gguf's own tensor name map, and Q/K rows permuted for llama.cpp's RoPE."""
+    cfg = json.loads((hf_folder / "config.json").read_text())
+    heads, kv_heads, layers = cfg["num_attention_heads"], cfg["num_key_value_heads"], cfg["num_hidden_layers"]
+    writer = gguf.GGUFWriter(path, "llama")
+    writer.add_block_count(layers)
+    writer.add_context_length(cfg["max_position_embeddings"])
+    writer.add_embedding_length(cfg["hidden_size"])
+    writer.add_feed_forward_length(cfg["intermediate_size"])
+    writer.add_head_count(heads)
+    writer.add_head_count_kv(kv_heads)
+    writer.add_rope_freq_base(cfg["rope_parameters"]["rope_theta"])
+    writer.add_layer_norm_rms_eps(cfg["rms_norm_eps"])
+    writer.add_rope_dimension_count(cfg["head_dim"])
+    writer.add_vocab_size(cfg["vocab_size"])
+    for key, (value, vtype, sub_type) in _smollm2_tokenizer_metadata().items():
+        writer.add_key_value(key, value, vtype, sub_type)
+    names = gguf.get_tensor_name_map(gguf.MODEL_ARCH.LLAMA, layers)
+    for name, tensor in load_file(hf_folder / "model.safetensors").items():
+        base, suffix = name.rsplit(".", 1)
+        array = tensor.float().numpy()
+        if base.endswith("q_proj"):
+            array = _llama_cpp_permute(array, heads, heads)
+        elif base.endswith("k_proj"):
+            array = _llama_cpp_permute(array, heads, kv_heads)
+        writer.add_tensor(f"{names.get_name(base)}.{suffix}", array)
+    writer.write_header_to_file()
+    writer.write_kv_data_to_file()
+    writer.write_tensors_to_file()
+    writer.close()
+    return path
+
+
+def _llama_cpp_permute(weights: np.ndarray, n_head: int, n_head_kv: int) -> np.ndarray:
+    # LlamaModel.permute from llama.cpp's convert_hf_to_gguf.py, verbatim in behaviour.
+    if n_head_kv is not None and n_head != n_head_kv:
+        n_head = n_head_kv
+    return (weights.reshape(n_head, 2, weights.shape[0] // n_head // 2, *weights.shape[1:])
+            .swapaxes(1, 2).reshape(weights.shape))
+
+
+@functools.cache
+def _smollm2_tokenizer_files() -> dict[str, bytes]:
+    """SmolLM2's saved tokenizer files; converting them from the GGUF takes seconds, so once per process."""
+    tokenizer = load_tokenizer(resolve_model(DEFAULT_MODEL))
+    with tempfile.TemporaryDirectory() as folder:
+        tokenizer.save_pretrained(folder)
+        return {p.name: p.read_bytes() for p in Path(folder).iterdir()}
+
+
+@functools.cache
+def _smollm2_tokenizer_metadata() -> dict[str, tuple]:
+    """The tokenizer.* GGUF keys of SmolLM2 as (value, type, array element type)."""
+    reader = gguf.GGUFReader(resolve_model(DEFAULT_MODEL).path)
+    return {key: (field.contents(), field.types[0], field.types[-1] if len(field.types) > 1 else None)
+            for key, field in reader.fields.items() if key.startswith("tokenizer.")}
