@@ -206,11 +206,12 @@ class Engine:
     def _update_text(self, seq: Sequence) -> bool:
         """Detokenize the output; True when a stop string appeared (the text is cut before it)."""
         text = self.tokenizer.decode(seq.output_token_ids, skip_special_tokens=True)
-        for stop in seq.params.stop:
-            idx = text.find(stop, max(0, len(seq.text) - len(stop)))
-            if idx != -1:
-                seq.text = text[:idx]
-                return True
+        # Of several stop strings, the one that occurs first in the text ends it.
+        hits = [i for stop in seq.params.stop
+                if (i := text.find(stop, max(0, len(seq.text) - len(stop)))) != -1]
+        if hits:
+            seq.text = text[:min(hits)]
+            return True
         seq.text = text
         return False
 
@@ -232,8 +233,13 @@ class Engine:
         new_logprobs = seq.logprobs[seq.emitted_tokens:]
         seq.emitted_tokens = len(seq.output_token_ids)
         text = seq.text
-        # Hold back a trailing partial UTF-8 character until the next token completes it.
-        visible = len(text) if seq.finished else len(text.rstrip("\ufffd"))
+        # Hold back a trailing partial UTF-8 character until the next token completes it, and
+        # the last characters that a stop string still to come may start with.
+        visible = len(text)
+        if not seq.finished:
+            visible = len(text.rstrip("\ufffd"))
+            if seq.params.stop:
+                visible = max(0, min(visible, len(text) - max(map(len, seq.params.stop)) + 1))
         new_text = text[seq.emitted_text_len:visible]
         seq.emitted_text_len = max(seq.emitted_text_len, visible)
         return RequestOutput(seq.request_id, new_tokens, new_logprobs, new_text, seq.finished,

@@ -10,6 +10,7 @@ from collections import deque
 
 import torch
 
+from isoserve import failpoints
 from isoserve.kv.pool import UNWRITTEN, KVPool
 
 
@@ -38,13 +39,17 @@ class PageAllocator:
         if n > len(self._free):
             raise OutOfPages(f"need {n} pages, {len(self._free)} free")
         pages = [self._free.popleft() for _ in range(n)]
-        epochs = list(range(self._last_epoch + 1, self._last_epoch + 1 + n))
-        self._last_epoch += n
         for p in pages:
             self._allocated[p] = True
-        self.pool.epoch[pages] = torch.tensor(epochs, dtype=torch.int64)
-        self.pool.writer[pages] = UNWRITTEN
-        self.pool.filled[pages] = 0
+        if failpoints.fire("allocator.skip_epoch_bump"):
+            epochs = self.pool.epoch[pages].tolist()  # the bug: pages keep their old epoch
+        else:
+            epochs = list(range(self._last_epoch + 1, self._last_epoch + 1 + n))
+            self._last_epoch += n
+            self.pool.epoch[pages] = torch.tensor(epochs, dtype=torch.int64)
+        if not failpoints.fire("allocator.skip_tag_reset"):
+            self.pool.writer[pages] = UNWRITTEN
+            self.pool.filled[pages] = 0
         return pages, epochs
 
     def free(self, pages: list[int]) -> None:

@@ -1,0 +1,123 @@
+"""The `isoserve` command: serve, worker, check-config, tenants, probe, bench."""
+from __future__ import annotations
+
+import argparse
+import logging
+import os
+import sys
+
+from isoserve.config import GUARD_NAMES, parse_guard_names
+
+
+def _engine_args(p: argparse.ArgumentParser) -> None:
+    p.add_argument("--model", default="smollm2-135m-instruct",
+                   help="smollm2-135m-instruct (default), a .gguf file or a Hugging Face checkpoint folder")
+    p.add_argument("--dtype", default="bfloat16", choices=["bfloat16", "float32", "float16"])
+    p.add_argument("--device", default="cpu", help="cpu (default) or cuda")
+    p.add_argument("--page-size", type=int, default=16, help="tokens per KV page (default 16)")
+    p.add_argument("--context-length", type=int, default=None, help="default: the model's")
+    p.add_argument("--max-num-seqs", type=int, default=64, help="sequences decoded together at most")
+    p.add_argument("--max-batched-tokens", type=int, default=512,
+                   help="tokens per engine step; longer prompts are prefilled in chunks")
+    p.add_argument("--scrub-freed-pages", action="store_true",
+                   help="zero KV pages when they are freed (defense in depth; costs time)")
+    p.add_argument("--unsafe-disable-guard", default="", metavar="NAME[,NAME...]",
+                   help=f"TURN OFF isolation guards, only to prove they are needed: {', '.join(GUARD_NAMES)}")
+    p.add_argument("--cache-dir", default=None, help="converted-weights cache (default ~/.cache/isoserve)")
+    p.add_argument("--enable-failpoints", action="store_true",
+                   help="arm the fault points named in ISOSERVE_FAILPOINTS (testing only)")
+
+
+def _pool_args(p: argparse.ArgumentParser) -> None:
+    for group in ("prefill", "decode"):
+        p.add_argument(f"--{group}-kv-tokens", type=int, default=None,
+                       help=f"KV pool of each {group} worker, in tokens (default: 2 x context length)")
+        p.add_argument(f"--{group}-kv-memory-gb", type=float, default=None,
+                       help=f"KV pool of each {group} worker as a memory budget in GiB")
+    p.add_argument("--kv-tokens", type=int, default=None, help="KV pool in tokens (aggregated mode)")
+    p.add_argument("--kv-memory-gb", type=float, default=None, help="KV pool in GiB (aggregated mode)")
+    p.add_argument("--min-kv-headroom", type=float, default=1.0,
+                   help="each pool must hold context length x this many tokens (docs recommend 2.0)")
+    p.add_argument("--allow-undersized-kv", action="store_true",
+                   help="accept pools below the headroom and lower the advertised limit to fit them")
+
+
+def build_parser() -> argparse.ArgumentParser:
+    parser = argparse.ArgumentParser(prog="isoserve", description=__doc__)
+    parser.add_argument("--log-level", default=os.environ.get("ISOSERVE_LOG_LEVEL", "INFO"))
+    sub = parser.add_subparsers(dest="command", required=True)
+
+    serve = sub.add_parser("serve", help="start the router and its workers (the main job)")
+    _engine_args(serve)
+    _pool_args(serve)
+    serve.add_argument("--host", default="127.0.0.1")
+    serve.add_argument("--port", type=int, default=8000)
+    serve.add_argument("--mode", default="disaggregated", choices=["disaggregated", "aggregated"])
+    serve.add_argument("--prefill-workers", type=int, default=1)
+    serve.add_argument("--decode-workers", type=int, default=1)
+    serve.add_argument("--aggregated-workers", type=int, default=1, help="workers in --mode aggregated")
+    serve.add_argument("--tenants", default=os.path.expanduser("~/.config/isoserve/tenants.toml"),
+                       help="tenants file (TOML, keys stored hashed); created on first start")
+    serve.add_argument("--listen-workers", default=None,
+                       help="endpoint workers register on, e.g. tcp://0.0.0.0:7100 (default: a local ipc socket)")
+    serve.add_argument("--cluster-secret-file", default=None,
+                       help="shared secret for router/worker messages (default: a fresh one for local workers)")
+    serve.add_argument("--transfer-timeout", type=float, default=300.0,
+                       help="seconds a decode worker waits for a request's KV before failing it")
+    serve.add_argument("--threads-per-worker", type=int, default=None,
+                       help="torch threads per worker process (default: cores / workers)")
+    serve.add_argument("--worker-start-timeout", type=float, default=900.0)
+
+    worker = sub.add_parser("worker", help="run one prefill or decode worker that joins a router")
+    _engine_args(worker)
+    worker.add_argument("--role", required=True, choices=["prefill", "decode", "aggregated"])
+    worker.add_argument("--router", required=True, help="router's worker endpoint, e.g. tcp://HOST:7100")
+    worker.add_argument("--cluster-secret-file", default=None,
+                        help="file holding the cluster secret (or set ISOSERVE_CLUSTER_SECRET)")
+    worker.add_argument("--worker-id", default="")
+    worker.add_argument("--kv-endpoint", default="",
+                        help="decode: where prefill workers send KV, e.g. tcp://10.0.0.5:7200")
+    worker.add_argument("--kv-tokens", type=int, default=None, help="KV pool in tokens")
+    worker.add_argument("--kv-memory-gb", type=float, default=None, help="KV pool in GiB")
+    worker.add_argument("--transfer-timeout", type=float, default=300.0)
+    worker.add_argument("--threads", type=int, default=None, help="torch threads (default: all cores)")
+
+    check = sub.add_parser("check-config", help="audit pool sizes against the context, without serving")
+    _engine_args(check)
+    _pool_args(check)
+    check.add_argument("--mode", default="disaggregated", choices=["disaggregated", "aggregated"])
+
+    tenants = sub.add_parser("tenants", help="manage tenants and their API keys")
+    tsub = tenants.add_subparsers(dest="tenants_command", required=True)
+    add = tsub.add_parser("add", help="add a tenant and print its new API key (shown once)")
+    add.add_argument("name")
+    add.add_argument("--tenants", required=True, help="tenants file (TOML)")
+    add.add_argument("--admin", action="store_true", help="may read /status")
+    return parser
+
+
+def main(argv: list[str] | None = None) -> int:
+    args = build_parser().parse_args(argv)
+    logging.basicConfig(level=args.log_level.upper(),
+                        format="%(asctime)s %(levelname)s %(name)s: %(message)s")
+    if hasattr(args, "unsafe_disable_guard"):
+        args.disabled_guards = parse_guard_names(args.unsafe_disable_guard)
+    if args.command == "serve":
+        from isoserve.server.launcher import serve
+        return serve(args)
+    if args.command == "worker":
+        from isoserve.server.launcher import run_worker
+        return run_worker(args)
+    if args.command == "check-config":
+        from isoserve.server.launcher import check_config
+        return check_config(args)
+    if args.command == "tenants":
+        from isoserve.server.tenants import add_tenant
+        key = add_tenant(args.tenants, args.name, admin=args.admin)
+        print(f"added tenant {args.name!r} to {args.tenants}; its API key (shown only now): {key}")
+        return 0
+    return 2
+
+
+if __name__ == "__main__":
+    sys.exit(main())

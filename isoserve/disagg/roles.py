@@ -1,0 +1,278 @@
+"""What a worker does with requests, by role. The worker loop (worker.py) owns the sockets and
+the engine; a role decides how messages become engine work and where outputs go."""
+from __future__ import annotations
+
+import logging
+import os
+import time
+from abc import ABC, abstractmethod
+from collections import deque
+from typing import TYPE_CHECKING
+
+import zmq
+
+from isoserve.admission import effective_prompt_limit
+from isoserve import failpoints
+from isoserve.disagg.manifest import (Manifest, TransferRejected, apply_transfer_faults,
+                                      build_manifest, verify_transfer, write_transfer)
+from isoserve.engine.sampling_params import SamplingParams
+from isoserve.engine.sequence import Status, TokenLogprob
+from isoserve.errors import ContextLengthExceeded, KVIsolationViolation, KVTransferIncomplete
+from isoserve.kv.allocator import OutOfPages
+
+if TYPE_CHECKING:
+    from isoserve.disagg.worker import Worker
+
+log = logging.getLogger("isoserve.worker")
+
+
+class Role(ABC):
+    def __init__(self, worker: "Worker"):
+        self.worker = worker
+        self.engine = worker.engine
+
+    @abstractmethod
+    def prompt_limit(self, max_tokens: int) -> int:
+        """This worker's part of the one limit: its context and the pool the request occupies."""
+
+    def handle(self, msg) -> None:
+        raise ValueError(f"{type(self).__name__} does not take {msg.kind!r} messages")
+
+    def on_outputs(self, outputs) -> None:
+        self.worker.send_outputs(outputs)
+
+    def abort(self, request_id: str) -> None:
+        self.engine.abort(request_id)
+
+    def busy(self) -> bool:
+        return False
+
+    def poll_extra(self, events) -> None:
+        pass
+
+    def housekeeping(self) -> None:
+        pass
+
+    def close(self) -> None:
+        pass
+
+
+class AggregatedRole(Role):
+    """One engine computes the prompt and generates: no transfer."""
+
+    def prompt_limit(self, max_tokens: int) -> int:
+        cap = [self.engine.capacity_tokens]
+        return effective_prompt_limit(self.engine.context_length, cap, cap, max_tokens)
+
+    def handle(self, msg) -> None:
+        if msg.kind != "generate":
+            return super().handle(msg)
+        b = msg.body
+        params = SamplingParams(**b["params"])
+        self.worker.admit(len(b["prompt_token_ids"]), params.max_tokens)
+        self.engine.add_request(b["request_id"], b["prompt_token_ids"], params)
+
+
+class PrefillRole(Role):
+    """Computes the prompt's KV and first token, then sends both to the decode worker the router
+    chose. Pages are freed only once zmq reports the send done with their buffers."""
+
+    def __init__(self, worker):
+        super().__init__(worker)
+        self.decode_endpoints: dict[str, str] = {}     # request -> decode worker's KV endpoint
+        self.peers: dict[str, zmq.Socket] = {}          # endpoint -> connected socket
+        self.in_flight: dict[str, list[zmq.MessageTracker]] = {}  # sends still using our pages
+
+    def prompt_limit(self, max_tokens: int) -> int:
+        return effective_prompt_limit(self.engine.context_length, [self.engine.capacity_tokens], [],
+                                      max_tokens)
+
+    def handle(self, msg) -> None:
+        if msg.kind != "prefill":
+            return super().handle(msg)
+        b = msg.body
+        rid, prompt = b["request_id"], b["prompt_token_ids"]
+        params = SamplingParams(**b["params"])
+        # The prefill engine samples only the first token; decode generates the rest.
+        first_only = SamplingParams(**{**params.to_dict(), "max_tokens": 1, "stop": [],
+                                       "ignore_eos": True})
+        try:
+            self.worker.admit(len(prompt), params.max_tokens)
+            self.engine.add_request(rid, prompt, first_only, keep_kv_on_finish=True)
+        except ContextLengthExceeded:
+            if not failpoints.fire("prefill.placeholder_on_reject"):
+                raise
+            # The incident's bug, reproduced on purpose: the rejection mutates the request.
+            log.error("FAILPOINT prefill.placeholder_on_reject: %s replaced by a 1-token placeholder", rid)
+            self.engine.add_request(rid, prompt[:1], first_only, keep_kv_on_finish=True)
+        self.decode_endpoints[rid] = b["decode_endpoint"]
+
+    def on_outputs(self, outputs) -> None:
+        for out in outputs:
+            endpoint = self.decode_endpoints.pop(out.request_id, None)
+            if out.error is not None:
+                self.worker.send_outputs([out])
+            elif out.finish_reason != "abort" and endpoint is not None:
+                self._send_kv(out.request_id, endpoint)
+
+    def _send_kv(self, rid: str, endpoint: str) -> None:
+        seq = self.engine.requests[rid]
+        lp = seq.logprobs[0]
+        first_lp = None if lp is None else {"logprob": lp.logprob, "top": lp.top}
+        delay_ms = failpoints.FAILPOINTS.value("transfer.delay_ms")
+        if delay_ms:
+            time.sleep(delay_ms / 1000)
+        manifest, frames = build_manifest(self.engine.pool, seq, first_lp, time.time())
+        if failpoints.fire("prefill.crash_mid_transfer"):
+            log.error("FAILPOINT prefill.crash_mid_transfer: exiting while sending %s", rid)
+            os._exit(70)
+        sock = self._peer(endpoint)
+        self.in_flight[rid] = [sock.send_multipart(self.worker.signer.pack("kv", m.to_wire(), f),
+                                                   copy=False, track=True)
+                               for m, f in apply_transfer_faults(manifest, frames)]
+        self.worker.count("transfers_sent")
+        self.worker.count("transfer_bytes_sent", sum(len(f) for f in frames))
+
+    def _peer(self, endpoint: str) -> zmq.Socket:
+        if endpoint not in self.peers:
+            sock = self.worker.ctx.socket(zmq.DEALER)
+            sock.setsockopt(zmq.LINGER, 0)
+            sock.connect(endpoint)
+            self.peers[endpoint] = sock
+        return self.peers[endpoint]
+
+    def abort(self, request_id: str) -> None:
+        self.decode_endpoints.pop(request_id, None)
+        self.engine.abort(request_id)  # a send already handed to zmq still completes first
+
+    def busy(self) -> bool:
+        return bool(self.in_flight)
+
+    def housekeeping(self) -> None:
+        for rid in [r for r, ts in self.in_flight.items() if all(t.done for t in ts)]:
+            del self.in_flight[rid]
+            self.engine.release(rid)
+
+    def close(self) -> None:
+        for sock in self.peers.values():
+            sock.close(0)
+
+
+class DecodeRole(Role):
+    """Reserves pages for a prompt the router describes, accepts only a transfer that matches
+    it exactly, writes the KV itself and generates."""
+
+    def __init__(self, worker):
+        super().__init__(worker)
+        self.kv_socket = worker.ctx.socket(zmq.ROUTER)
+        self.kv_socket.setsockopt(zmq.LINGER, 0)
+        self.kv_socket.bind(worker.opts.kv_endpoint)
+        worker.poller.register(self.kv_socket, zmq.POLLIN)
+        self.waiting_for_pages: deque[dict] = deque()
+        self.deadlines: dict[str, float] = {}
+        guards = worker.opts.disabled_guards
+        self.check_coverage = "transfer_coverage" not in guards
+        self.check_checksums = "transfer_checksum" not in guards
+
+    def prompt_limit(self, max_tokens: int) -> int:
+        return effective_prompt_limit(self.engine.context_length, [], [self.engine.capacity_tokens],
+                                      max_tokens)
+
+    def on_outputs(self, outputs) -> None:
+        self.worker.send_outputs(outputs)
+        if any(o.num_output_tokens >= 2 and not o.finished for o in outputs) \
+                and failpoints.fire("decode.crash_mid_stream"):
+            log.error("FAILPOINT decode.crash_mid_stream: exiting mid-stream")
+            os._exit(71)
+
+    def handle(self, msg) -> None:
+        if msg.kind != "reserve":
+            return super().handle(msg)
+        b = msg.body
+        self.worker.admit(len(b["prompt_token_ids"]), b["params"]["max_tokens"])
+        SamplingParams(**b["params"])  # validate before holding anything
+        self.deadlines[b["request_id"]] = time.monotonic() + self.worker.opts.transfer_timeout_s
+        self.waiting_for_pages.append(b)
+        self._reserve_waiting()
+
+    def _reserve_waiting(self) -> None:
+        while self.waiting_for_pages:
+            b = self.waiting_for_pages[0]
+            try:
+                self.engine.reserve(b["request_id"], b["prompt_token_ids"], SamplingParams(**b["params"]))
+            except OutOfPages:
+                return  # first come, first served: wait for pages to come back
+            self.waiting_for_pages.popleft()
+            self.worker.send_router("reserved", {"request_id": b["request_id"]})
+
+    def poll_extra(self, events) -> None:
+        if self.kv_socket in events:
+            while True:
+                try:
+                    frames = self.kv_socket.recv_multipart(zmq.NOBLOCK, copy=False)
+                except zmq.Again:
+                    break
+                self._on_transfer_frames(frames[1:])  # frame 0: the sender's routing id
+
+    def _on_transfer_frames(self, frames) -> None:
+        msg = self.worker.authenticate(frames, "kv")
+        if msg is None:
+            return
+        if msg.kind != "kv":
+            self.worker.count("rejected_transfers_kind")
+            return
+        self._accept(Manifest.from_wire(msg.body), msg.payload)
+
+    def _accept(self, manifest: Manifest, frames) -> None:
+        rid = manifest.request_id
+        seq = self.engine.requests.get(rid)
+        if seq is None or seq.status is not Status.AWAITING_KV:
+            reason = "unknown_or_late" if seq is None else "duplicate"
+            self.worker.count(f"rejected_transfers_{reason}")
+            log.warning("dropped KV transfer for %s: %s", rid, reason)
+            return
+        try:
+            verify_transfer(manifest, frames, seq, self.engine.pool,
+                            check_coverage=self.check_coverage, check_checksums=self.check_checksums)
+        except TransferRejected as e:
+            self.worker.count(f"rejected_transfers_{e.reason}")
+            log.error("rejected KV transfer for %s from its prefill worker: %s", rid, e)
+            self.deadlines.pop(rid, None)
+            self.engine.fail(rid, KVTransferIncomplete(f"KV transfer rejected: {e}"))
+            return
+        nbytes = write_transfer(manifest, frames, seq, self.engine.pool)
+        self.deadlines.pop(rid, None)
+        self.worker.send_router("transferred", {"request_id": rid, "bytes": nbytes,
+                                                "seconds": max(0.0, time.time() - manifest.sent_at)})
+        # The guard looks at the prompt's pages now, before the first token is released.
+        violation = self.engine.check_owned(seq, len(seq.prompt_token_ids))
+        if violation is not None:
+            self.engine.fail(rid, KVIsolationViolation(
+                f"request {rid} would decode over KV it does not own ({violation.describe()})"))
+            return
+        lp = manifest.first_logprob
+        first_lp = None if lp is None else TokenLogprob(manifest.first_token, lp["logprob"],
+                                                        [tuple(t) for t in lp["top"]])
+        self.engine.start_decoding(seq, manifest.first_token, first_lp)
+
+    def abort(self, request_id: str) -> None:
+        self.deadlines.pop(request_id, None)
+        self.waiting_for_pages = deque(b for b in self.waiting_for_pages if b["request_id"] != request_id)
+        self.engine.abort(request_id)  # pages back at once: epochs fence a late transfer
+
+    def housekeeping(self) -> None:
+        self._reserve_waiting()
+        now = time.monotonic()
+        for rid in [r for r, d in self.deadlines.items() if d < now]:
+            del self.deadlines[rid]
+            self.waiting_for_pages = deque(b for b in self.waiting_for_pages if b["request_id"] != rid)
+            self.worker.count("transfer_deadlines_missed")
+            error = KVTransferIncomplete(f"no complete and valid KV transfer for {rid} within "
+                                         f"{self.worker.opts.transfer_timeout_s:.0f} s")
+            if rid in self.engine.requests:
+                self.engine.fail(rid, error)
+            else:  # still waiting for pages: the engine never saw it
+                self.worker.send_error(rid, error)
+
+    def close(self) -> None:
+        self.kv_socket.close(0)

@@ -1,0 +1,72 @@
+"""Authenticated messages between router and workers (DESIGN invariant 8).
+
+Every message is [header, mac, *payload]: the header is JSON (kind, sender, time, body), the
+mac an HMAC-SHA256 of the header under the cluster secret. A peer without the secret cannot
+register, submit a request or inject a transfer. KV payload bytes are covered by per-page
+checksums that travel inside the signed header (see manifest.py), so they are not hashed twice.
+"""
+from __future__ import annotations
+
+import hashlib
+import hmac
+import json
+import os
+import secrets
+import time
+from dataclasses import dataclass, field
+
+MAX_CLOCK_SKEW_S = 300.0  # older (or future) messages are replays or a broken clock: dropped
+
+
+class Unauthenticated(Exception):
+    """A message without a valid signature, or too old to be fresh."""
+
+
+@dataclass
+class Message:
+    kind: str
+    sender: str
+    body: dict
+    payload: list = field(default_factory=list)  # zmq frames (bytes-like)
+
+
+class Signer:
+    def __init__(self, secret: bytes, sender: str):
+        if len(secret) < 16:
+            raise ValueError("the cluster secret must be at least 16 bytes")
+        self._secret = secret
+        self.sender = sender
+
+    def pack(self, kind: str, body: dict, payload: list | None = None) -> list:
+        header = json.dumps({"kind": kind, "sender": self.sender, "time": time.time(),
+                             "nonce": secrets.token_hex(8), "body": body},
+                            separators=(",", ":")).encode()
+        return [header, hmac.new(self._secret, header, hashlib.sha256).digest(), *(payload or [])]
+
+    def unpack(self, frames: list) -> Message:
+        if len(frames) < 2:
+            raise Unauthenticated("message has no signature")
+        header, mac = bytes(frames[0]), bytes(frames[1])
+        expected = hmac.new(self._secret, header, hashlib.sha256).digest()
+        if not hmac.compare_digest(mac, expected):
+            raise Unauthenticated("bad signature")
+        data = json.loads(header)
+        if abs(time.time() - data["time"]) > MAX_CLOCK_SKEW_S:
+            raise Unauthenticated("stale message")
+        return Message(data["kind"], data["sender"], data["body"], list(frames[2:]))
+
+
+def load_cluster_secret(path: str | None = None) -> bytes:
+    """The secret comes from a file (multi-host) or ISOSERVE_CLUSTER_SECRET (set by `serve`
+    for the workers it starts); never from the command line, where `ps` would show it."""
+    if path:
+        with open(path, "rb") as f:
+            return f.read().strip()
+    value = os.environ.get("ISOSERVE_CLUSTER_SECRET")
+    if not value:
+        raise ValueError("no cluster secret: pass --cluster-secret-file or set ISOSERVE_CLUSTER_SECRET")
+    return value.encode()
+
+
+def new_cluster_secret() -> str:
+    return secrets.token_urlsafe(32)

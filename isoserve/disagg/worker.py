@@ -1,0 +1,173 @@
+"""A worker process: one engine, one KV pool, one thread, driven by messages from the router.
+
+    loop: receive (router, and KV transfers on decode workers) -> engine.step() -> send outputs
+
+Roles: "prefill" computes a prompt's KV and its first token and hands both to a decode
+worker; "decode" receives verified KV and generates; "aggregated" does both in one engine.
+"""
+from __future__ import annotations
+
+import logging
+import os
+import socket
+import time
+from dataclasses import dataclass, field
+
+import zmq
+
+from isoserve.admission import check_prompt_fits
+from isoserve.config import EngineConfig
+from isoserve.disagg.roles import AggregatedRole, DecodeRole, PrefillRole, Role
+from isoserve.disagg.wire import Signer, Unauthenticated
+from isoserve.engine.engine import Engine
+from isoserve.errors import IsoserveError
+
+log = logging.getLogger("isoserve.worker")
+
+HEARTBEAT_S = 0.5
+
+
+@dataclass
+class WorkerOptions:
+    role: str                       # prefill | decode | aggregated
+    router: str                     # router's worker endpoint, e.g. ipc:///tmp/x or tcp://h:p
+    secret: bytes
+    engine: EngineConfig
+    worker_id: str = ""
+    kv_endpoint: str = ""           # decode: where prefill workers send KV (bound here)
+    transfer_timeout_s: float = 300.0
+    disabled_guards: frozenset[str] = field(default_factory=frozenset)
+
+
+class Worker:
+    def __init__(self, opts: WorkerOptions):
+        self.opts = opts
+        self.id = opts.worker_id or f"{opts.role}-{socket.gethostname()}-{os.getpid()}"
+        self.signer = Signer(opts.secret, self.id)
+        self.engine = Engine(opts.engine)
+        self.ctx = zmq.Context()
+        self.router = self.ctx.socket(zmq.DEALER)
+        self.router.setsockopt(zmq.IDENTITY, self.id.encode())
+        self.router.setsockopt(zmq.LINGER, 0)
+        self.router.connect(opts.router)
+        self.poller = zmq.Poller()
+        self.poller.register(self.router, zmq.POLLIN)
+        self.role: Role = {"prefill": PrefillRole, "decode": DecodeRole,
+                           "aggregated": AggregatedRole}[opts.role](self)
+        self.counters: dict[str, int] = {}
+        self.registered = False
+        self.stopping = False
+
+    # ---- sending ------------------------------------------------------------------------
+    def send_router(self, kind: str, body: dict) -> None:
+        self.router.send_multipart(self.signer.pack(kind, body))
+
+    def send_outputs(self, outputs) -> None:
+        if outputs:
+            self.send_router("outputs", {"outputs": [output_to_wire(o) for o in outputs]})
+
+    def count(self, name: str, n: int = 1) -> None:
+        self.counters[name] = self.counters.get(name, 0) + n
+
+    # ---- admission on receipt -----------------------------------------------------------
+    def admit(self, prompt_len: int, max_tokens: int) -> None:
+        """The worker's own check of the one limit (its context and pool), unless switched off."""
+        if "admission" not in self.opts.disabled_guards:
+            check_prompt_fits(prompt_len, self.role.prompt_limit(max_tokens), max_tokens)
+
+    # ---- main loop ----------------------------------------------------------------------
+    def describe(self) -> dict:
+        e = self.engine
+        return {"worker_id": self.id, "role": self.opts.role, "pid": os.getpid(),
+                "host": socket.gethostname(), "model": e.model_name, "dtype": e.config.dtype,
+                "page_size": e.pool.page_size, "pool_tokens": e.capacity_tokens,
+                "pool_pages": e.pool.num_pages, "context_length": e.context_length,
+                "kv_endpoint": self.opts.kv_endpoint}
+
+    def stats(self) -> dict:
+        a = self.engine.allocator
+        return {"pages_total": self.engine.pool.num_pages, "pages_used": a.num_used,
+                "pages_free": a.num_free, "running": len(self.engine.scheduler.running),
+                "waiting": len(self.engine.scheduler.waiting),
+                "counters": {**self.counters, **self.engine.stats.counters}}
+
+    def run(self) -> int:
+        self.send_router("register", self.describe())
+        log.info("worker %s (%s) registering with %s", self.id, self.opts.role, self.opts.router)
+        last_beat = 0.0
+        while not self.stopping:
+            busy = self.engine.has_work() or self.role.busy()
+            events = dict(self.poller.poll(0 if busy else 20))
+            if self.router in events:
+                self._drain(self.router, self._on_router_message)
+            self.role.poll_extra(events)
+            if self.registered and self.engine.has_work():
+                self.role.on_outputs(self.engine.step())
+            self.role.housekeeping()
+            now = time.monotonic()
+            if now - last_beat >= HEARTBEAT_S:
+                self.send_router("heartbeat", self.stats())
+                last_beat = now
+        self.router.close(0)
+        self.role.close()
+        self.ctx.term()
+        return 0
+
+    def _drain(self, sock, handler) -> None:
+        while True:
+            try:
+                frames = sock.recv_multipart(zmq.NOBLOCK, copy=False)
+            except zmq.Again:
+                return
+            msg = self.authenticate(frames, "router")
+            if msg is not None:
+                handler(msg)
+
+    def authenticate(self, frames, channel: str):
+        """The message, or None (counted and logged) when it is not signed with our secret."""
+        try:
+            return self.signer.unpack([f.buffer for f in frames])
+        except (Unauthenticated, ValueError, KeyError) as e:
+            self.count(f"unauthenticated_messages_{channel}")
+            log.warning("dropped unauthenticated message on the %s channel: %s", channel, e)
+            return None
+
+    def _on_router_message(self, msg) -> None:
+        body = msg.body
+        if msg.kind == "registered":
+            self.registered = True
+            log.info("worker %s admitted by the router", self.id)
+        elif msg.kind == "refused":
+            log.error("router refused worker %s: %s", self.id, body.get("reason"))
+            self.stopping = True
+        elif msg.kind == "abort":
+            self.role.abort(body["request_id"])
+        elif msg.kind == "shutdown":
+            self.stopping = True
+        else:
+            try:
+                self.role.handle(msg)
+            except IsoserveError as e:
+                rid = body.get("request_id", "")
+                log.info("request %s rejected by worker %s: %s", rid, self.id, e.message)
+                self.send_error(rid, e)
+
+    def send_error(self, request_id: str, error: IsoserveError) -> None:
+        self.send_router("outputs", {"outputs": [error_to_wire(request_id, error)]})
+
+
+def output_to_wire(o) -> dict:
+    return {"request_id": o.request_id, "token_ids": o.new_token_ids,
+            "logprobs": [logprob_to_wire(lp) for lp in o.new_logprobs], "text": o.new_text,
+            "finished": o.finished, "finish_reason": o.finish_reason,
+            "error": o.error.to_wire() if o.error else None,
+            "prompt_tokens": o.num_prompt_tokens, "output_tokens": o.num_output_tokens}
+
+
+def error_to_wire(request_id: str, error: IsoserveError) -> dict:
+    return {"request_id": request_id, "token_ids": [], "logprobs": [], "text": "", "finished": True,
+            "finish_reason": "error", "error": error.to_wire(), "prompt_tokens": 0, "output_tokens": 0}
+
+
+def logprob_to_wire(lp) -> dict | None:
+    return None if lp is None else {"token_id": lp.token_id, "logprob": lp.logprob, "top": lp.top}

@@ -1,0 +1,245 @@
+"""`isoserve serve`, `isoserve worker` and `isoserve check-config`: wiring processes together."""
+from __future__ import annotations
+
+import asyncio
+import logging
+import os
+import shlex
+import signal
+import subprocess
+import sys
+import tempfile
+from pathlib import Path
+
+from isoserve.config import EngineConfig, parse_dtype
+
+log = logging.getLogger("isoserve.serve")
+
+GIB = 1024 ** 3
+
+
+def _engine_config(args, *, kv_tokens=None, kv_memory_gb=None) -> EngineConfig:
+    return EngineConfig(model=args.model, dtype=args.dtype, device=args.device,
+                        page_size=args.page_size, context_length=args.context_length,
+                        kv_tokens=kv_tokens,
+                        kv_memory_bytes=int(kv_memory_gb * GIB) if kv_memory_gb else None,
+                        max_num_seqs=args.max_num_seqs, max_batched_tokens=args.max_batched_tokens,
+                        scrub_freed_pages=args.scrub_freed_pages,
+                        disabled_guards=args.disabled_guards, cache_dir=args.cache_dir)
+
+
+def _warn_disabled_guards(names) -> None:
+    if names:
+        log.warning("!" * 78)
+        log.warning("UNSAFE: isolation guards DISABLED: %s. One tenant's data may reach another "
+                    "tenant's response. Use only to prove the guards are needed.", ", ".join(sorted(names)))
+        log.warning("!" * 78)
+
+
+# ---- worker -------------------------------------------------------------------------------
+def run_worker(args) -> int:
+    import torch
+
+    from isoserve import failpoints
+    from isoserve.disagg.wire import load_cluster_secret
+    from isoserve.disagg.worker import Worker, WorkerOptions
+
+    if args.threads:
+        torch.set_num_threads(args.threads)
+    _warn_disabled_guards(args.disabled_guards)
+    failpoints.configure(args.enable_failpoints)
+    if args.role == "decode" and not args.kv_endpoint:
+        raise SystemExit("a decode worker needs --kv-endpoint (where prefill workers send KV)")
+    opts = WorkerOptions(role=args.role, router=args.router,
+                         secret=load_cluster_secret(args.cluster_secret_file),
+                         engine=_engine_config(args, kv_tokens=args.kv_tokens,
+                                               kv_memory_gb=args.kv_memory_gb),
+                         worker_id=args.worker_id, kv_endpoint=args.kv_endpoint,
+                         transfer_timeout_s=args.transfer_timeout,
+                         disabled_guards=args.disabled_guards)
+    worker = Worker(opts)
+    for sig in (signal.SIGTERM, signal.SIGINT):
+        signal.signal(sig, lambda *_: setattr(worker, "stopping", True))
+    return worker.run()
+
+
+# ---- check-config -------------------------------------------------------------------------
+def _planned_pools(args, model_config, context_length: int) -> list[tuple[str, int]]:
+    """(group, pool tokens) of each planned pool, by the arithmetic the workers themselves use."""
+    from isoserve.kv.pool import KVPool
+
+    dtype = parse_dtype(args.dtype)
+    groups = ["aggregated"] if args.mode == "aggregated" else ["prefill", "decode"]
+    pools = []
+    for group in groups:
+        prefix = "" if group == "aggregated" else f"{group}_"
+        cfg = _engine_config(args, kv_tokens=getattr(args, f"{prefix}kv_tokens"),
+                             kv_memory_gb=getattr(args, f"{prefix}kv_memory_gb"))
+        pages = KVPool.pages_for(model_config, args.page_size, dtype,
+                                 **cfg.pool_tokens_request(context_length))
+        pools.append((group, pages * args.page_size))
+    return pools
+
+
+def check_config(args) -> int:
+    from isoserve.admission import effective_prompt_limit
+    from isoserve.model.loader import load_checkpoint
+    from isoserve.server.audit import AuditSettings, audit_table, audit_worker
+
+    ckpt = load_checkpoint(args.model, parse_dtype(args.dtype), cache_dir=args.cache_dir)
+    context = args.context_length or ckpt.config.max_position_embeddings
+    settings = AuditSettings(args.mode, context, args.page_size, args.min_kv_headroom,
+                             args.allow_undersized_kv, "capacity_audit" not in args.disabled_guards)
+    pools = _planned_pools(args, ckpt.config, context)
+    rows = [(g, f"{g} (planned)", t, audit_worker(settings, g, t, args.page_size, context))
+            for g, t in pools]
+    by_group = {g: [t for gg, t in pools if gg == g] for g, _ in pools}
+    agg = by_group.get("aggregated", [])
+    limit = effective_prompt_limit(context, by_group.get("prefill", agg), by_group.get("decode", agg))
+    print(audit_table(settings, rows, limit))
+    failed = any(r[3] for r in rows)
+    print("configuration REFUSED: a pool cannot hold the context (see --min-kv-headroom, "
+          "--allow-undersized-kv)" if failed else "configuration ok")
+    return 2 if failed else 0
+
+
+# ---- serve --------------------------------------------------------------------------------
+def serve(args) -> int:
+    try:
+        return asyncio.run(_serve(args))
+    except KeyboardInterrupt:
+        return 0
+
+
+def _local_endpoint(endpoint: str) -> str:
+    """Where a worker on this host reaches an endpoint the router bound to all interfaces."""
+    return endpoint.replace("://0.0.0.0:", "://127.0.0.1:").replace("://*:", "://127.0.0.1:")
+
+
+def _worker_command(args, role: str, index: int, router: str, kv_endpoint: str, threads: int) -> list[str]:
+    prefix = "" if role == "aggregated" else f"{role}_"
+    cmd = [sys.executable, "-m", "isoserve.cli", "--log-level", args.log_level, "worker",
+           "--role", role, "--router", router, "--worker-id", f"{role}-{index}",
+           "--model", args.model, "--dtype", args.dtype, "--device", args.device,
+           "--page-size", str(args.page_size), "--max-num-seqs", str(args.max_num_seqs),
+           "--max-batched-tokens", str(args.max_batched_tokens),
+           "--transfer-timeout", str(args.transfer_timeout), "--threads", str(threads)]
+    if args.context_length:
+        cmd += ["--context-length", str(args.context_length)]
+    if getattr(args, f"{prefix}kv_tokens") is not None:
+        cmd += ["--kv-tokens", str(getattr(args, f"{prefix}kv_tokens"))]
+    if getattr(args, f"{prefix}kv_memory_gb") is not None:
+        cmd += ["--kv-memory-gb", str(getattr(args, f"{prefix}kv_memory_gb"))]
+    if kv_endpoint:
+        cmd += ["--kv-endpoint", kv_endpoint]
+    if args.scrub_freed_pages:
+        cmd.append("--scrub-freed-pages")
+    if args.enable_failpoints:
+        cmd.append("--enable-failpoints")
+    if args.disabled_guards:
+        cmd += ["--unsafe-disable-guard", ",".join(sorted(args.disabled_guards))]
+    if args.cache_dir:
+        cmd += ["--cache-dir", args.cache_dir]
+    return cmd
+
+
+async def _serve(args) -> int:
+    import uvicorn
+
+    from isoserve.disagg.wire import load_cluster_secret, new_cluster_secret
+    from isoserve.model.loader import load_checkpoint
+    from isoserve.server.app import create_app
+    from isoserve.server.metrics import Metrics
+    from isoserve.server.router import Router, RouterSettings
+    from isoserve.server.tenants import TenantStore, ensure_tenants_file
+
+    _warn_disabled_guards(args.disabled_guards)
+    ckpt = load_checkpoint(args.model, parse_dtype(args.dtype), cache_dir=args.cache_dir)
+    context = args.context_length or ckpt.config.max_position_embeddings
+    runtime_dir = Path(tempfile.mkdtemp(prefix="isoserve-"))
+    listen = args.listen_workers or f"ipc://{runtime_dir}/router.sock"
+    if args.cluster_secret_file:
+        secret = load_cluster_secret(args.cluster_secret_file)
+    else:
+        secret = new_cluster_secret().encode()
+    settings = RouterSettings(model_name=ckpt.name, context_length=context, page_size=args.page_size,
+                              mode=args.mode, min_kv_headroom=args.min_kv_headroom,
+                              allow_undersized_kv=args.allow_undersized_kv,
+                              disabled_guards=args.disabled_guards)
+    metrics = Metrics()
+    router = Router(settings, secret, listen, ckpt.tokenizer, metrics)
+    del ckpt  # the router keeps only the tokenizer
+    await router.start()
+
+    plan = ([("aggregated", args.aggregated_workers)] if args.mode == "aggregated" else
+            [("prefill", args.prefill_workers), ("decode", args.decode_workers)])
+    total = sum(n for _, n in plan)
+    threads = args.threads_per_worker or max(1, (os.cpu_count() or 1) // max(total, 1))
+    env = {**os.environ, "ISOSERVE_CLUSTER_SECRET": secret.decode()}
+    procs: list[subprocess.Popen] = []
+    for role, count in plan:
+        for i in range(count):
+            kv = f"ipc://{runtime_dir}/kv-{role}-{i}.sock" if role == "decode" else ""
+            cmd = _worker_command(args, role, i, _local_endpoint(listen), kv, threads)
+            log.debug("starting worker: %s", shlex.join(cmd))
+            procs.append(subprocess.Popen(cmd, env=env))
+    try:
+        if total:
+            log.info("waiting for %d worker(s) to load the model and register", total)
+            await _wait_for_workers(router, procs, total, args.worker_start_timeout)
+            print(router.audit_table(), flush=True)
+            refused = [w for w in router.workers.values() if w.state == "refused"]
+            if refused:
+                print("serve: capacity audit FAILED: a KV pool cannot hold the context length "
+                      "(raise the pool size, or pass --allow-undersized-kv to lower the advertised "
+                      "limit instead)", file=sys.stderr, flush=True)
+                return 2
+        else:
+            log.info("no local workers: waiting for workers to register on %s (secret from %s)",
+                     listen, args.cluster_secret_file or "ISOSERVE_CLUSTER_SECRET")
+        new_key = ensure_tenants_file(args.tenants)
+        tenants = TenantStore.load(args.tenants)
+        app = create_app(router, tenants, metrics, served_model_names=[settings.model_name])
+        server = uvicorn.Server(uvicorn.Config(app, host=args.host, port=args.port,
+                                               log_level="warning", lifespan="off"))
+        _print_how_to_call(args, settings.model_name, router.max_model_len(), new_key)
+        await server.serve()
+        return 0
+    finally:
+        await router.stop()
+        for p in procs:
+            p.terminate()
+        for p in procs:
+            try:
+                p.wait(timeout=10)
+            except subprocess.TimeoutExpired:
+                p.kill()
+
+
+async def _wait_for_workers(router, procs, total: int, timeout: float) -> None:
+    loop = asyncio.get_running_loop()
+    deadline = loop.time() + timeout
+    while len(router.workers) < total:
+        dead = [p for p in procs if p.poll() is not None]
+        if dead:
+            raise SystemExit(f"serve: a worker exited with status {dead[0].returncode} before registering")
+        if loop.time() > deadline:
+            raise SystemExit(f"serve: only {len(router.workers)} of {total} workers registered "
+                             f"within {timeout:.0f} s")
+        await asyncio.sleep(0.1)
+
+
+def _print_how_to_call(args, model: str, limit: int, new_key: str | None) -> None:
+    base = f"http://{args.host}:{args.port}"
+    key = new_key or "$ISOSERVE_API_KEY"
+    lines = [f"isoserve {args.mode} serving {model} ({args.dtype}) on {base}; max_model_len={limit}"]
+    if new_key:
+        lines.append(f"First start: created {args.tenants} with tenant 'default' (admin). Its API key, "
+                     f"shown only now:\n    {new_key}")
+    lines += ["Call it:",
+              f"    curl {base}/v1/completions -H 'Authorization: Bearer {key}' "
+              f"-H 'Content-Type: application/json' -d '{{\"model\": \"{model}\", \"prompt\": \"Hello\", \"max_tokens\": 16}}'",
+              "    python -c \"from openai import OpenAI; "
+              f"c = OpenAI(base_url='{base}/v1', api_key='{key}'); "
+              f"print(c.chat.completions.create(model='{model}', messages=[{{'role': 'user', 'content': 'Hi'}}]).choices[0].message.content)\""]
+    print("\n".join(lines), flush=True)

@@ -1,0 +1,239 @@
+"""Issue 3 acceptance: the real multi-process server (router, prefill and decode workers) with
+the official openai client, over real sockets, on a tiny random Llama."""
+from __future__ import annotations
+
+import asyncio
+import json
+import time
+
+import httpx
+import openai
+import pytest
+import zmq
+
+from isoserve import LLM, SamplingParams
+from serving import add_tenant, isoserve_cmd, running_server, subprocess_env, free_port, Server, wait_healthy
+from tiny_models import make_tiny_llama
+
+PROMPTS = ["The invoice is due on", "def parse(path):\n    return", "Alice and Bob met in",
+           "1, 2, 3, 5, 8,", "Bonjour, je m'appelle"]
+
+
+@pytest.fixture(scope="module")
+def model(tmp_path_factory):
+    return str(make_tiny_llama(tmp_path_factory.mktemp("tiny") / "llama"))
+
+
+@pytest.fixture(scope="module")
+def tenants(tmp_path_factory):
+    path = tmp_path_factory.mktemp("tenants") / "tenants.toml"
+    keys = {name: add_tenant(path, name, admin=(name == "admin")) for name in ("admin", "alice", "bob", "carol")}
+    return path, keys
+
+
+@pytest.fixture(scope="module")
+def secret_file(tmp_path_factory):
+    path = tmp_path_factory.mktemp("secret") / "cluster.secret"
+    path.write_text("test-cluster-secret-0123456789abcdef")
+    return path
+
+
+@pytest.fixture(scope="module")
+def disagg(tmp_path_factory, model, tenants, secret_file):
+    tmp = tmp_path_factory.mktemp("disagg")
+    with running_server(tmp, "--model", model, "--dtype", "float32", "--tenants", str(tenants[0]),
+                        "--prefill-kv-tokens", "4096", "--decode-kv-tokens", "4096",
+                        "--cluster-secret-file", str(secret_file)) as server:
+        yield server
+
+
+@pytest.fixture(scope="module")
+def reference(model):
+    return LLM(model=model, dtype="float32", kv_tokens=4096)
+
+
+def client(server: Server, key: str) -> openai.OpenAI:
+    return openai.OpenAI(base_url=server.base_url + "/v1", api_key=key, max_retries=0, timeout=60)
+
+
+def greedy_reference(reference: LLM, prompt: str, n: int = 24) -> list[int]:
+    return reference.generate(prompt, SamplingParams(max_tokens=n, temperature=0, ignore_eos=True))[0].token_ids
+
+
+def completion_ids(server, key, model, prompt, n=24) -> list[int]:
+    """Token ids of a greedy completion, read back from logprobs=0 token strings is lossy, so we
+    compare texts with the reference's decoded text instead."""
+    r = client(server, key).completions.create(model=model, prompt=prompt, max_tokens=n, temperature=0,
+                                               extra_body={"ignore_eos": True})
+    return r.choices[0].text
+
+
+def test_openai_client_completions_chat_stream_and_logprobs(disagg, tenants, model, reference):
+    c = client(disagg, tenants[1]["alice"])
+    for prompt in PROMPTS:
+        want = reference.generate(prompt, SamplingParams(max_tokens=24, temperature=0, ignore_eos=True,
+                                                         logprobs=2))[0]
+        r = c.completions.create(model=model, prompt=prompt, max_tokens=24, temperature=0, logprobs=2,
+                                 extra_body={"ignore_eos": True})
+        assert r.choices[0].text == want.text
+        assert r.usage.completion_tokens == 24
+        got_lp = r.choices[0].logprobs.token_logprobs
+        assert got_lp == pytest.approx([lp.logprob for lp in want.logprobs], abs=1e-4)
+        streamed = "".join(ch.choices[0].text for ch in c.completions.create(
+            model=model, prompt=prompt, max_tokens=24, temperature=0, stream=True,
+            extra_body={"ignore_eos": True}) if ch.choices)
+        assert streamed == want.text
+    messages = [{"role": "user", "content": "Write the invoice summary."}]
+    want = reference.chat(messages, SamplingParams(max_tokens=16, temperature=0, ignore_eos=True, logprobs=3))
+    r = c.chat.completions.create(model=model, messages=messages, max_tokens=16, temperature=0,
+                                  logprobs=True, top_logprobs=3, extra_body={"ignore_eos": True})
+    assert r.choices[0].message.content == want.text
+    assert [t.logprob for t in r.choices[0].logprobs.content] == pytest.approx(
+        [lp.logprob for lp in want.logprobs], abs=1e-4)
+    assert all(len(t.top_logprobs) == 3 for t in r.choices[0].logprobs.content)
+    chunks = list(c.chat.completions.create(model=model, messages=messages, max_tokens=16, temperature=0,
+                                            stream=True, extra_body={"ignore_eos": True}))
+    assert "".join(ch.choices[0].delta.content or "" for ch in chunks if ch.choices) == want.text
+
+
+def test_disaggregated_equals_aggregated_and_llm_generate(tmp_path, disagg, tenants, model, reference):
+    key = tenants[1]["bob"]
+    with running_server(tmp_path, "--model", model, "--dtype", "float32", "--mode", "aggregated",
+                        "--kv-tokens", "4096", "--tenants", str(tenants[0])) as aggregated:
+        for prompt in PROMPTS:
+            want = reference.generate(prompt, SamplingParams(max_tokens=24, temperature=0, ignore_eos=True))[0].text
+            assert completion_ids(disagg, key, model, prompt) == want
+            assert completion_ids(aggregated, key, model, prompt) == want
+
+
+def test_auth_and_openai_errors_on_the_live_server(disagg, tenants, model):
+    url = disagg.base_url
+    r = httpx.post(url + "/v1/completions", json={"model": model, "prompt": "hi"})
+    assert r.status_code == 401 and r.json()["error"]["type"] == "authentication_error"
+    r = httpx.post(url + "/v1/completions", json={"model": model, "prompt": "hi"},
+                   headers={"Authorization": "Bearer isk-not-a-key"})
+    assert r.status_code == 401
+    h = {"Authorization": f"Bearer {tenants[1]['alice']}", "Content-Type": "application/json"}
+    r = httpx.post(url + "/v1/completions", content=b"{not json", headers=h)
+    assert r.status_code == 400 and set(r.json()["error"]) == {"message", "type", "param", "code"}
+    r = httpx.post(url + "/v1/completions", json={"model": "no-such-model", "prompt": "hi"}, headers=h)
+    assert r.status_code == 404 and r.json()["error"]["code"] == "model_not_found"
+    for bad in ({"temperature": -1}, {"max_tokens": 0}, {"top_p": 0}, {"n": 3}):
+        r = httpx.post(url + "/v1/completions", json={"model": model, "prompt": "hi", **bad}, headers=h)
+        assert r.status_code == 400, (bad, r.text)
+        assert r.json()["error"]["param"] == next(iter(bad))
+
+
+def _pages_used(server, admin_key) -> dict:
+    status = httpx.get(server.base_url + "/status", headers={"Authorization": f"Bearer {admin_key}"}).json()
+    return {w["id"]: w["pages_used"] for w in status["workers"]}
+
+
+def test_client_disconnect_mid_stream_frees_pages_on_both_workers(disagg, tenants, model):
+    admin = tenants[1]["admin"]
+    h = {"Authorization": f"Bearer {tenants[1]['carol']}"}
+    body = {"model": model, "prompt": "A long story: " * 40, "max_tokens": 1500, "temperature": 0,
+            "ignore_eos": True, "stream": True}
+    with httpx.stream("POST", disagg.base_url + "/v1/completions", json=body, headers=h, timeout=30) as r:
+        assert r.status_code == 200
+        seen = 0
+        for line in r.iter_lines():
+            if line.startswith("data: {"):
+                seen += 1
+                if seen == 5:
+                    used = _pages_used(disagg, admin)
+                    assert used["decode-0"] > 0  # the request holds decode pages while streaming
+                    break
+    deadline = time.monotonic() + 2.0
+    while time.monotonic() < deadline:
+        used = _pages_used(disagg, admin)
+        if all(v == 0 for v in used.values()):
+            break
+        time.sleep(0.1)
+    assert all(v == 0 for v in used.values()), used
+
+
+def test_peer_without_the_cluster_secret_is_rejected_and_counted(disagg, tenants, model, secret_file):
+    from isoserve.disagg.wire import Signer
+    status = httpx.get(disagg.base_url + "/status",
+                       headers={"Authorization": f"Bearer {tenants[1]['admin']}"}).json()
+    ctx = zmq.Context()
+    # The router's worker endpoint is a local ipc socket; its path is in the serve log.
+    endpoint = next(line.split()[-1] for line in disagg.log().splitlines()
+                    if "router listening for workers on" in line)
+    sock = ctx.socket(zmq.DEALER)
+    sock.setsockopt(zmq.IDENTITY, b"intruder")
+    sock.setsockopt(zmq.LINGER, 0)
+    sock.connect(endpoint)
+    forged = Signer(b"not-the-cluster-secret-at-all!!", "intruder")
+    sock.send_multipart(forged.pack("register", {"worker_id": "intruder", "role": "decode", "pid": 1,
+                                                 "host": "evil", "pool_tokens": 10**9, "pool_pages": 1,
+                                                 "page_size": 16, "context_length": 2048,
+                                                 "kv_endpoint": "tcp://127.0.0.1:1", "model": model}))
+    sock.send_multipart(forged.pack("outputs", {"outputs": []}))
+    time.sleep(0.5)
+    sock.close()
+    ctx.term()
+    metrics = httpx.get(disagg.base_url + "/metrics").text
+    line = next(l for l in metrics.splitlines() if l.startswith('isoserve_rejected_messages_total{channel="router"}'))
+    assert float(line.split()[-1]) >= 2
+    after = httpx.get(disagg.base_url + "/status",
+                      headers={"Authorization": f"Bearer {tenants[1]['admin']}"}).json()
+    assert {w["id"] for w in after["workers"]} == {w["id"] for w in status["workers"]}  # nobody joined
+
+
+def test_two_workers_per_role_over_tcp_serve_50_concurrent_requests_from_3_tenants(
+        tmp_path, model, tenants, secret_file, reference):
+    router_port = free_port()
+    with running_server(tmp_path, "--model", model, "--dtype", "float32", "--tenants", str(tenants[0]),
+                        "--prefill-workers", "0", "--decode-workers", "0",
+                        "--listen-workers", f"tcp://127.0.0.1:{router_port}",
+                        "--cluster-secret-file", str(secret_file), wait=False) as server:
+        import subprocess
+        workers = []
+        logs = []
+        for role in ("prefill", "prefill", "decode", "decode"):
+            i = len(workers)
+            extra = ["--kv-endpoint", f"tcp://127.0.0.1:{free_port()}"] if role == "decode" else []
+            log = open(tmp_path / f"worker-{i}.log", "w")
+            logs.append(log)
+            workers.append(subprocess.Popen(
+                isoserve_cmd("worker", "--role", role, "--router", f"tcp://127.0.0.1:{router_port}",
+                             "--cluster-secret-file", str(secret_file), "--worker-id", f"{role}-tcp-{i}",
+                             "--model", model, "--dtype", "float32", "--kv-tokens", "4096",
+                             "--threads", "1", *extra),
+                stdout=log, stderr=subprocess.STDOUT, env=subprocess_env()))
+        try:
+            wait_healthy(server)
+            deadline = time.monotonic() + 120
+            while len(httpx.get(server.base_url + "/status", headers={
+                    "Authorization": f"Bearer {tenants[1]['admin']}"}).json()["workers"]) < 4:
+                assert time.monotonic() < deadline
+                time.sleep(0.2)
+            prompts = [f"{PROMPTS[i % len(PROMPTS)]} {i}" for i in range(50)]
+            want = [r.text for r in reference.generate(
+                prompts, SamplingParams(max_tokens=12, temperature=0, ignore_eos=True))]
+            names = ["alice", "bob", "carol"]
+
+            async def one(i):
+                c = openai.AsyncOpenAI(base_url=server.base_url + "/v1", api_key=tenants[1][names[i % 3]],
+                                       max_retries=0, timeout=120)
+                r = await c.completions.create(model=model, prompt=prompts[i], max_tokens=12,
+                                               temperature=0, extra_body={"ignore_eos": True})
+                return r.choices[0].text
+
+            async def all_of_them():
+                return await asyncio.gather(*[one(i) for i in range(50)])
+
+            got = asyncio.run(all_of_them())
+            assert got == want
+            status = httpx.get(server.base_url + "/status",
+                               headers={"Authorization": f"Bearer {tenants[1]['admin']}"}).json()
+            assert sorted(w["role"] for w in status["workers"]) == ["decode", "decode", "prefill", "prefill"]
+        finally:
+            for w in workers:
+                w.terminate()
+            for w in workers:
+                w.wait(timeout=20)
+            for log in logs:
+                log.close()
