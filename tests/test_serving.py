@@ -136,14 +136,15 @@ def test_client_disconnect_mid_stream_frees_pages_on_both_workers(disagg, tenant
             "ignore_eos": True, "stream": True}
     with httpx.stream("POST", disagg.base_url + "/v1/completions", json=body, headers=h, timeout=30) as r:
         assert r.status_code == 200
-        seen = 0
+        seen, holding = 0, False
         for line in r.iter_lines():
             if line.startswith("data: {"):
                 seen += 1
-                if seen == 5:
-                    used = _pages_used(disagg, admin)
-                    assert used["decode-0"] > 0  # the request holds decode pages while streaming
+                # /status shows pool use from heartbeats (every 0.5 s): look until it shows ours.
+                if seen % 10 == 0 and _pages_used(disagg, admin)["decode-0"] > 0:
+                    holding = True
                     break
+        assert holding, "the stream ended before /status showed its decode pages"
     deadline = time.monotonic() + 2.0
     while time.monotonic() < deadline:
         used = _pages_used(disagg, admin)

@@ -57,13 +57,10 @@ class Manifest:
 
 
 def page_payload(pool: KVPool, page: int, filled: int) -> np.ndarray:
-    """The bytes of a page's first `filled` slots (all layers, K and V). A full page is a view
-    of the pool, sent without a copy; a partial one is compacted, so slots the request never
-    wrote (stale KV of whoever held the page before) never leave the worker."""
-    data = pool.kv[page]
-    if filled < pool.page_size:
-        data = data[:, :, :filled].contiguous()
-    return data.view(torch.uint8).numpy().reshape(-1)
+    """The bytes of a page's first `filled` slots (all layers, K and V), copied out once into the
+    buffer zmq sends from; slots the request never wrote (stale KV of whoever held the page
+    before) never leave the worker."""
+    return pool.read_page(page, filled).cpu().view(torch.uint8).numpy().reshape(-1)
 
 
 def checksum(buf) -> int:
@@ -89,7 +86,7 @@ def verify_transfer(manifest: Manifest, frames: list, seq: Sequence, pool: KVPoo
                     check_coverage: bool = True, check_checksums: bool = True) -> None:
     """Raise TransferRejected unless this transfer may be written into seq's pages."""
     size = pool.page_size
-    slot_bytes = pool.kv[0, :, :, 0].numel() * pool.kv.element_size()
+    slot_bytes = pool.slot_bytes
     prompt_len = len(seq.prompt_token_ids)  # from the router, never from the sender
     if manifest.page_size != size:
         raise TransferRejected("page_size", f"sender pages hold {manifest.page_size} tokens, ours {size}")
@@ -123,13 +120,12 @@ def verify_transfer(manifest: Manifest, frames: list, seq: Sequence, pool: KVPoo
 
 def write_transfer(manifest: Manifest, frames: list, seq: Sequence, pool: KVPool) -> int:
     """Write verified pages into seq's pages, stamped with seq's tag. Returns bytes written."""
-    shape = pool.kv.shape[1:]  # [layers, 2, page_size, kv_heads, head_dim]
+    layers, kv, _, _, heads, dim = pool.kv.shape
     written = 0
     pages, ends = [], []
     for rec, frame in zip(manifest.pages, frames):
         dest = seq.pages[rec.index]
-        data = _as_tensor(frame, pool.kv.dtype).view(shape[0], shape[1], rec.filled, shape[3], shape[4])
-        pool.kv[dest, :, :, :rec.filled] = data.to(pool.kv.device)
+        pool.write_page(dest, _as_tensor(frame, pool.kv.dtype).view(layers, kv, rec.filled, heads, dim))
         pages.append(dest)
         ends.append(rec.filled)
         written += len(frame)

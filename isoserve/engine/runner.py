@@ -109,24 +109,22 @@ class ModelRunner:
             if ctx == s.num_tokens:
                 logits_rows.append(row + n - 1)
         pos = torch.tensor(positions, dtype=torch.int64)
-        write_pages, write_offsets = self._write_slots(chunks, pos)
         decode_pages, decode_mask = self._decode_tables(decode_tables, decode_lens)
-        attn = StepAttention(write_pages=write_pages.to(self.device),
-                             write_offsets=write_offsets.to(self.device),
+        attn = StepAttention(write_slots=self._write_slots(chunks).to(self.device),
                              decode_rows=torch.tensor(decode_rows, dtype=torch.int64, device=self.device),
                              decode_pages=decode_pages, decode_mask=decode_mask, prefills=prefills)
         return dict(token_ids=torch.tensor(token_ids, dtype=torch.int64, device=self.device),
                     positions=pos.to(self.device), attn=attn,
                     logits_rows=torch.tensor(logits_rows, dtype=torch.int64, device=self.device))
 
-    def _write_slots(self, chunks: list[ScheduledChunk], positions: torch.Tensor):
+    def _write_slots(self, chunks: list[ScheduledChunk]) -> torch.Tensor:
         size = self.pool.page_size
-        page_of_token = []
+        slots = []
         for c in chunks:
             s = c.seq
-            for p in range(s.num_computed, s.num_computed + c.num_tokens):
-                page_of_token.append(s.pages[p // size])
-        return torch.tensor(page_of_token, dtype=torch.int64), positions % size
+            slots += (s.pages[p // size] * size + p % size
+                      for p in range(s.num_computed, s.num_computed + c.num_tokens))
+        return torch.tensor(slots, dtype=torch.int64)
 
     def _decode_tables(self, tables: list[list[int]], lens: list[int]):
         if not tables:

@@ -13,7 +13,7 @@ import torch.nn.functional as F
 from isoserve.kv.pool import KVPool
 from isoserve.model.config import ModelConfig
 from isoserve.model.paged_attention import StepAttention, paged_attention, write_kv
-from isoserve.model.rope import RotaryEmbedding
+from isoserve.model.rope import RotaryEmbedding, apply_rotary
 
 
 @dataclass
@@ -70,6 +70,7 @@ class LlamaModel:
         for the rows in `logits_rows` only (the tokens that will be sampled)."""
         cfg = self.cfg
         x = F.embedding(token_ids, self.embed)
+        cos, sin = self.rope.tables(positions)
         for i, layer in enumerate(self.layers):
             h = _rms_norm(x, layer.input_norm, cfg.rms_norm_eps)
             qkv = F.linear(h, layer.qkv, layer.qkv_bias)
@@ -77,7 +78,7 @@ class LlamaModel:
             q = q.view(-1, cfg.num_heads, cfg.head_dim)
             k = k.view(-1, cfg.num_kv_heads, cfg.head_dim)
             v = v.view(-1, cfg.num_kv_heads, cfg.head_dim)
-            q, k = self.rope(positions, q, k)
+            q, k = apply_rotary(q, k, cos, sin)
             k_cache, v_cache = pool.layer_cache(i)
             write_kv(k_cache, v_cache, k, v, attn)
             a = paged_attention(q, k_cache, v_cache, attn, self.scale)

@@ -22,8 +22,7 @@ class PrefillChunk:
 
 @dataclass
 class StepAttention:
-    write_pages: torch.Tensor    # [T] page receiving each token's K/V
-    write_offsets: torch.Tensor  # [T] slot within that page
+    write_slots: torch.Tensor    # [T] pool slot (page * page_size + offset) of each token's K/V
     decode_rows: torch.Tensor    # [Bd] rows of single-token queries
     decode_pages: torch.Tensor   # [Bd, M] page tables, padded with page 0 (masked out)
     decode_mask: torch.Tensor | None  # [Bd, 1, 1, M*page_size] bool, True where a key is real
@@ -32,8 +31,8 @@ class StepAttention:
 
 def write_kv(k_cache: torch.Tensor, v_cache: torch.Tensor, k: torch.Tensor, v: torch.Tensor,
              attn: StepAttention) -> None:
-    k_cache[attn.write_pages, attn.write_offsets] = k
-    v_cache[attn.write_pages, attn.write_offsets] = v
+    k_cache.view(-1, *k.shape[1:]).index_copy_(0, attn.write_slots, k)
+    v_cache.view(-1, *v.shape[1:]).index_copy_(0, attn.write_slots, v)
 
 
 def paged_attention(q: torch.Tensor, k_cache: torch.Tensor, v_cache: torch.Tensor,
@@ -50,8 +49,9 @@ def paged_attention(q: torch.Tensor, k_cache: torch.Tensor, v_cache: torch.Tenso
 
 def _gather(cache: torch.Tensor, pages: torch.Tensor) -> torch.Tensor:
     """[..., M] page ids -> [..., kv_heads, M * page_size, head_dim]."""
-    x = cache[pages]  # [..., M, S, H, D]
-    x = x.flatten(-4, -3)  # [..., M*S, H, D]
+    # index_select on the flat id list is several times faster on CPU than advanced indexing.
+    x = cache.index_select(0, pages.flatten())  # [B*M, S, H, D]
+    x = x.view(*pages.shape[:-1], pages.shape[-1] * cache.shape[1], *cache.shape[2:])
     return x.transpose(-3, -2)
 
 
