@@ -16,13 +16,16 @@ def effective_prompt_limit(context_length: int, prefill_pool_tokens: Iterable[in
 
     The request occupies one prefill pool (its prompt) and one decode pool (prompt plus
     everything it generates), and must fit the model context. We take the smallest pool of
-    each group because the router may pick any worker of the group.
+    each group because the router may pick any worker of the group. An engine keeps room for
+    every token a request may generate, and a prefill engine runs the prompt as a request for
+    its first token: a prefill pool must hold the prompt plus one token (max_tokens=0, as for
+    max_model_len, asks only what the pools hold).
     """
     prefill = list(prefill_pool_tokens)
     decode = list(decode_pool_tokens)
     limit = context_length - max_tokens
     if prefill:
-        limit = min(limit, min(prefill))
+        limit = min(limit, min(prefill) - min(max_tokens, 1))
     if decode:
         limit = min(limit, min(decode) - max_tokens)
     return max(limit, 0)

@@ -93,6 +93,10 @@ def build_parser() -> argparse.ArgumentParser:
     add.add_argument("name")
     add.add_argument("--tenants", required=True, help="tenants file (TOML)")
     add.add_argument("--admin", action="store_true", help="may read /status")
+
+    from isoserve.bench.main import add_arguments as add_bench_arguments
+    bench = sub.add_parser("bench", help="benchmark an OpenAI-compatible server, or the offline engine")
+    add_bench_arguments(bench)
     return parser
 
 
@@ -116,6 +120,9 @@ def main(argv: list[str] | None = None) -> int:
         key = add_tenant(args.tenants, args.name, admin=args.admin)
         print(f"added tenant {args.name!r} to {args.tenants}; its API key (shown only now): {key}")
         return 0
+    if args.command == "bench":
+        from isoserve.bench.main import run as run_bench
+        return run_bench(args)
     return 2
 
 

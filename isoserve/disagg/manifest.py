@@ -120,12 +120,12 @@ def verify_transfer(manifest: Manifest, frames: list, seq: Sequence, pool: KVPoo
 
 def write_transfer(manifest: Manifest, frames: list, seq: Sequence, pool: KVPool) -> int:
     """Write verified pages into seq's pages, stamped with seq's tag. Returns bytes written."""
-    layers, kv, _, _, heads, dim = pool.kv.shape
+    layers, kv, heads, _, _, dim = pool.kv.shape
     written = 0
     pages, ends = [], []
     for rec, frame in zip(manifest.pages, frames):
         dest = seq.pages[rec.index]
-        pool.write_page(dest, _as_tensor(frame, pool.kv.dtype).view(layers, kv, rec.filled, heads, dim))
+        pool.write_page(dest, _as_tensor(frame, pool.kv.dtype).view(layers, kv, heads, rec.filled, dim))
         pages.append(dest)
         ends.append(rec.filled)
         written += len(frame)

@@ -17,7 +17,8 @@ from isoserve.disagg.manifest import (Manifest, TransferRejected, apply_transfer
                                       build_manifest, verify_transfer, write_transfer)
 from isoserve.engine.sampling_params import SamplingParams
 from isoserve.engine.sequence import Status, TokenLogprob
-from isoserve.errors import ContextLengthExceeded, KVIsolationViolation, KVTransferIncomplete
+from isoserve.errors import (ContextLengthExceeded, IsoserveError, KVIsolationViolation,
+                             KVTransferIncomplete)
 from isoserve.kv.allocator import OutOfPages
 
 if TYPE_CHECKING:
@@ -202,6 +203,14 @@ class DecodeRole(Role):
                 self.engine.reserve(b["request_id"], b["prompt_token_ids"], SamplingParams(**b["params"]))
             except OutOfPages:
                 return  # first come, first served: wait for pages to come back
+            except IsoserveError as e:
+                # The engine's own checks (vocabulary, "cannot fit") end the request here; left
+                # at the head of the queue it would be retried, and raise, at every loop.
+                self.waiting_for_pages.popleft()
+                self.deadlines.pop(b["request_id"], None)
+                log.info("request %s rejected by worker %s: %s", b["request_id"], self.worker.id, e.message)
+                self.worker.send_error(b["request_id"], e)
+                continue
             self.waiting_for_pages.popleft()
             self.worker.send_router("reserved", {"request_id": b["request_id"]})
 

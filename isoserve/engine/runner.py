@@ -57,14 +57,9 @@ class ModelRunner:
     def guard_sequences(self, seqs: list[Sequence], read_before: list[int]) -> list[tuple[Sequence, Violation]]:
         """Check that each sequence owns positions [0, read_before) of its pages (one batch check)."""
         width = max(len(s.pages) for s in seqs)
-        pages = torch.zeros(len(seqs), width, dtype=torch.int64)
-        epochs = torch.zeros(len(seqs), width, dtype=torch.int64)
-        valid = torch.zeros(len(seqs), width, dtype=torch.bool)
-        for i, s in enumerate(seqs):
-            n = len(s.pages)
-            pages[i, :n] = torch.tensor(s.pages)
-            epochs[i, :n] = torch.tensor(s.page_epochs)
-            valid[i, :n] = True
+        pages = _padded([s.pages for s in seqs], width)
+        epochs = _padded([s.page_epochs for s in seqs], width)
+        valid = torch.arange(width)[None, :] < torch.tensor([len(s.pages) for s in seqs])[:, None]
         check = ReadCheck(tags=torch.tensor([s.tag for s in seqs], dtype=torch.int64),
                           page_table=pages, page_valid=valid, epochs=epochs,
                           read_before=torch.tensor(read_before, dtype=torch.int64))
@@ -96,7 +91,7 @@ class ModelRunner:
             s, n = c.seq, c.num_tokens
             row = len(token_ids)
             start = s.num_computed
-            token_ids += s.all_token_ids[start:start + n]
+            token_ids += s.token_ids_slice(start, start + n)
             positions += range(start, start + n)
             ctx = start + n
             used_pages = s.pages[: -(-ctx // size)]
@@ -109,10 +104,10 @@ class ModelRunner:
             if ctx == s.num_tokens:
                 logits_rows.append(row + n - 1)
         pos = torch.tensor(positions, dtype=torch.int64)
-        decode_pages, decode_mask = self._decode_tables(decode_tables, decode_lens)
+        decode_pages, decode_bias = self._decode_tables(decode_tables, decode_lens)
         attn = StepAttention(write_slots=self._write_slots(chunks).to(self.device),
                              decode_rows=torch.tensor(decode_rows, dtype=torch.int64, device=self.device),
-                             decode_pages=decode_pages, decode_mask=decode_mask, prefills=prefills)
+                             decode_pages=decode_pages, decode_bias=decode_bias, prefills=prefills)
         return dict(token_ids=torch.tensor(token_ids, dtype=torch.int64, device=self.device),
                     positions=pos.to(self.device), attn=attn,
                     logits_rows=torch.tensor(logits_rows, dtype=torch.int64, device=self.device))
@@ -132,9 +127,13 @@ class ModelRunner:
             return empty, None
         size = self.pool.page_size
         width = max(len(t) for t in tables)
-        padded = torch.zeros(len(tables), width, dtype=torch.int64)
-        for i, t in enumerate(tables):
-            padded[i, :len(t)] = torch.tensor(t)
+        padded = _padded(tables, width)
         key_pos = torch.arange(width * size)
-        mask = key_pos[None, :] < torch.tensor(lens)[:, None]
-        return padded.to(self.device), mask[:, None, None, :].to(self.device)
+        padding = key_pos[None, :] >= torch.tensor(lens)[:, None]
+        bias = torch.zeros(padding.shape).masked_fill_(padding, float("-inf"))
+        return padded.to(self.device), bias.to(self.device)
+
+
+def _padded(rows: list[list[int]], width: int) -> torch.Tensor:
+    """Rows of ints as one [len(rows), width] int64 tensor, padded with 0 (always masked)."""
+    return torch.tensor([r + [0] * (width - len(r)) for r in rows], dtype=torch.int64)

@@ -1,9 +1,10 @@
 """The KV pool: pages of `page_size` token slots spanning all layers, and who wrote each page.
 
 A page is the same range of token slots in every layer. The tensor is layer-major,
-[layers, 2 (K, V), pages, page_size, kv_heads, head_dim], so each layer's K and V are one
-contiguous [slots, heads, dim] array: the hot path writes and gathers them with a single
-index op. Whole-page access (transfer, scrub) goes through read_page / write_page.
+[layers, 2 (K, V), kv_heads, pages, page_size, head_dim], so each layer's K and V are
+contiguous per head: the hot path writes and gathers them with a single index op, and a
+gathered batch is already in the [heads, batch, keys, dim] shape attention multiplies.
+Whole-page access (transfer, scrub) goes through read_page / write_page.
 
 Next to the tensor, each page carries three fields (DESIGN invariant 3), kept on the CPU
 because the scheduler and the guard run there:
@@ -27,7 +28,7 @@ class KVPool:
             raise ValueError(f"a KV pool needs pages (got {num_pages}) of at least one slot "
                              f"(got page_size={page_size})")
         self.page_size = page_size
-        self.kv = torch.zeros(model.num_layers, 2, num_pages, page_size, model.num_kv_heads,
+        self.kv = torch.zeros(model.num_layers, 2, model.num_kv_heads, num_pages, page_size,
                               model.head_dim, dtype=dtype, device=device)
         self.writer = torch.zeros(num_pages, dtype=torch.int64)
         self.epoch = torch.zeros(num_pages, dtype=torch.int64)
@@ -49,34 +50,34 @@ class KVPool:
 
     @property
     def num_pages(self) -> int:
-        return self.kv.shape[2]
+        return self.kv.shape[3]
 
     @property
     def capacity_tokens(self) -> int:
         """Real capacity, read from the allocated tensor rather than from the configuration."""
-        return self.kv.shape[2] * self.kv.shape[3]
+        return self.kv.shape[3] * self.kv.shape[4]
 
     @property
     def slot_bytes(self) -> int:
         """Bytes of one token slot over all layers, K and V."""
-        return self.kv[:, :, 0, 0].numel() * self.kv.element_size()
+        return self.kv[:, :, :, 0, 0].numel() * self.kv.element_size()
 
     @property
     def nbytes(self) -> int:
         return self.kv.numel() * self.kv.element_size()
 
     def layer_cache(self, layer: int) -> tuple[torch.Tensor, torch.Tensor]:
-        """Views [pages, page_size, kv_heads, head_dim] of one layer's K and V."""
+        """Views [kv_heads, pages, page_size, head_dim] of one layer's K and V."""
         return self.kv[layer, 0], self.kv[layer, 1]
 
     def read_page(self, page: int, filled: int) -> torch.Tensor:
-        """A page's first `filled` slots in every layer, as one contiguous [layers, 2, filled,
-        heads, dim] tensor: slots past `filled` (an earlier owner's KV) are never copied out."""
-        return self.kv[:, :, page, :filled].contiguous()
+        """A page's first `filled` slots in every layer, as one contiguous [layers, 2, heads,
+        filled, dim] tensor: slots past `filled` (an earlier owner's KV) are never copied out."""
+        return self.kv[:, :, :, page, :filled].contiguous()
 
     def write_page(self, page: int, data: torch.Tensor) -> None:
-        """Write slots [0, data.shape[2]) of a page; the caller stamps the writer."""
-        self.kv[:, :, page, :data.shape[2]] = data.to(self.kv.device)
+        """Write slots [0, data.shape[3]) of a page; the caller stamps the writer."""
+        self.kv[:, :, :, page, :data.shape[3]] = data.to(self.kv.device)
 
     def stamp_writes(self, pages: torch.Tensor, tags: torch.Tensor, end_slots: torch.Tensor) -> None:
         """Record that `tags[i]` wrote slots [.., end_slots[i]) of `pages[i]`.
@@ -90,4 +91,4 @@ class KVPool:
     def scrub(self, pages: list[int]) -> None:
         """Zero pages (defense in depth on release; the guard does not depend on it)."""
         if pages:
-            self.kv[:, :, torch.as_tensor(pages, dtype=torch.long, device=self.kv.device)] = 0
+            self.kv[:, :, :, torch.as_tensor(pages, dtype=torch.long, device=self.kv.device)] = 0

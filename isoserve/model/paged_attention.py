@@ -3,6 +3,9 @@
 Tokens of all sequences in a step are concatenated ([T, ...]). Single-token queries (decodes)
 are attended as one padded batch; multi-token queries (prefill chunks) one sequence at a time,
 since their shapes differ. Every read goes through a page table the guard has checked.
+
+A layer's cache is [kv_heads, pages, page_size, head_dim]: gathering a batch's pages gives
+[kv_heads, batch, keys, head_dim] directly, which batched matmuls take without a copy.
 """
 from __future__ import annotations
 
@@ -25,19 +28,23 @@ class StepAttention:
     write_slots: torch.Tensor    # [T] pool slot (page * page_size + offset) of each token's K/V
     decode_rows: torch.Tensor    # [Bd] rows of single-token queries
     decode_pages: torch.Tensor   # [Bd, M] page tables, padded with page 0 (masked out)
-    decode_mask: torch.Tensor | None  # [Bd, 1, 1, M*page_size] bool, True where a key is real
+    decode_bias: torch.Tensor | None  # [Bd, M*page_size] float: 0 for real keys, -inf for padding
     prefills: list[PrefillChunk]
 
 
 def write_kv(k_cache: torch.Tensor, v_cache: torch.Tensor, k: torch.Tensor, v: torch.Tensor,
              attn: StepAttention) -> None:
-    k_cache.view(-1, *k.shape[1:]).index_copy_(0, attn.write_slots, k)
-    v_cache.view(-1, *v.shape[1:]).index_copy_(0, attn.write_slots, v)
+    """k, v: [T, kv_heads, head_dim] into their slots."""
+    heads, dim = k_cache.shape[0], k_cache.shape[-1]
+    k_cache.view(heads, -1, dim).index_copy_(1, attn.write_slots, k.transpose(0, 1))
+    v_cache.view(heads, -1, dim).index_copy_(1, attn.write_slots, v.transpose(0, 1))
 
 
 def paged_attention(q: torch.Tensor, k_cache: torch.Tensor, v_cache: torch.Tensor,
                     attn: StepAttention, scale: float) -> torch.Tensor:
-    """q: [T, heads, head_dim]; caches: [pages, page_size, kv_heads, head_dim] -> [T, heads, head_dim]."""
+    """q: [T, heads, head_dim]; caches: [kv_heads, pages, page_size, head_dim] -> [T, heads, head_dim]."""
+    if not attn.prefills:
+        return _decode_attention(q, k_cache, v_cache, attn, scale)
     out = torch.empty_like(q)
     if attn.decode_rows.numel():
         out[attn.decode_rows] = _decode_attention(q[attn.decode_rows], k_cache, v_cache, attn, scale)
@@ -48,25 +55,34 @@ def paged_attention(q: torch.Tensor, k_cache: torch.Tensor, v_cache: torch.Tenso
 
 
 def _gather(cache: torch.Tensor, pages: torch.Tensor) -> torch.Tensor:
-    """[..., M] page ids -> [..., kv_heads, M * page_size, head_dim]."""
+    """[B, M] page ids -> [kv_heads, B, M * page_size, head_dim]."""
     # index_select on the flat id list is several times faster on CPU than advanced indexing.
-    x = cache.index_select(0, pages.flatten())  # [B*M, S, H, D]
-    x = x.view(*pages.shape[:-1], pages.shape[-1] * cache.shape[1], *cache.shape[2:])
-    return x.transpose(-3, -2)
+    x = cache.index_select(1, pages.flatten())  # [H_kv, B*M, S, D]
+    return x.view(cache.shape[0], pages.shape[0], pages.shape[1] * cache.shape[2], cache.shape[3])
 
 
 def _decode_attention(q, k_cache, v_cache, attn: StepAttention, scale):
-    k = _gather(k_cache, attn.decode_pages)  # [B, H_kv, L, D]
+    """One query token per sequence, as two batched matmuls: torch's CPU flash kernel is built
+    for long query blocks and was 20x slower here for a single query."""
+    batch, heads, dim = q.shape
+    kv_heads = k_cache.shape[0]
+    group = heads // kv_heads
+    k = _gather(k_cache, attn.decode_pages)  # [H_kv, B, L, D]
     v = _gather(v_cache, attn.decode_pages)
-    out = F.scaled_dot_product_attention(q.unsqueeze(2), k, v, attn_mask=attn.decode_mask,
-                                         scale=scale, enable_gqa=True)
-    return out.squeeze(2)
+    keys = k.shape[2]
+    # Query heads grouped under their KV head: [H_kv, B, G, D].
+    qg = q.view(batch, kv_heads, group, dim).transpose(0, 1)
+    scores = torch.matmul(qg, k.transpose(-1, -2)).float() * scale  # [H_kv, B, G, L]
+    scores = scores + attn.decode_bias.view(1, batch, 1, keys)
+    probs = torch.softmax(scores, dim=-1).to(v.dtype)
+    out = torch.matmul(probs, v)  # [H_kv, B, G, D]
+    return out.transpose(0, 1).reshape(batch, heads, dim)
 
 
 def _prefill_attention(q, k_cache, v_cache, chunk: PrefillChunk, scale):
     n, ctx = chunk.num_tokens, chunk.context_len
-    k = _gather(k_cache, chunk.pages)[:, :ctx].unsqueeze(0)  # [1, H_kv, ctx, D]
-    v = _gather(v_cache, chunk.pages)[:, :ctx].unsqueeze(0)
+    k = _gather(k_cache, chunk.pages[None])[:, 0, :ctx].unsqueeze(0)  # [1, H_kv, ctx, D]
+    v = _gather(v_cache, chunk.pages[None])[:, 0, :ctx].unsqueeze(0)
     q = q.transpose(0, 1).unsqueeze(0)  # [1, H, n, D]
     if n == ctx:
         out = F.scaled_dot_product_attention(q, k, v, is_causal=True, scale=scale, enable_gqa=True)

@@ -1,0 +1,102 @@
+"""One streamed /v1/completions request, timed as its Server-Sent Events arrive.
+
+TTFT is from sending the request to the first event that carries text; the inter-token
+latencies are the gaps between successive text-carrying events. isoserve, vLLM and llama.cpp
+send one token per event, so these are per-token gaps; a server that packs several tokens into
+one event shows fewer, longer gaps (its token count still comes from `usage`).
+
+The loop does as little as it can per event: it runs on the same cores as the server.
+"""
+from __future__ import annotations
+
+import json
+import time
+from dataclasses import dataclass, field
+
+import httpx
+
+
+@dataclass
+class RequestRecord:
+    index: int
+    start: float
+    end: float = 0.0
+    outcome: str = ""                  # "ok", "HTTP 400 context_length_exceeded", "stream error ...", ...
+    ttft: float | None = None
+    token_times: list[float] = field(default_factory=list)
+    prompt_tokens: int | None = None   # from usage, when the server sends it
+    output_tokens: int = 0
+
+    @property
+    def ok(self) -> bool:
+        return self.outcome == "ok"
+
+    def gaps(self) -> list[float]:
+        t = self.token_times
+        return [b - a for a, b in zip(t, t[1:])]
+
+
+def completion_body(model: str, prompt: str, max_tokens: int, *, ignore_eos: bool,
+                    temperature: float, seed: int | None) -> dict:
+    body = {"model": model, "prompt": prompt, "max_tokens": max_tokens, "temperature": temperature,
+            "stream": True, "stream_options": {"include_usage": True}}
+    if ignore_eos:
+        body["ignore_eos"] = True  # an extension (vLLM, llama.cpp, isoserve); others ignore it
+    if seed is not None:
+        body["seed"] = seed
+    return body
+
+
+async def stream_completion(client: httpx.AsyncClient, url: str, headers: dict, body: dict,
+                            index: int) -> RequestRecord:
+    clock = time.perf_counter
+    record = RequestRecord(index, start=clock())
+    times = record.token_times
+    usage = None
+    try:
+        async with client.stream("POST", url, json=body, headers=headers) as response:
+            if response.status_code != 200:
+                record.outcome = f"HTTP {response.status_code} {_error_code(await response.aread())}".strip()
+                return record
+            async for line in response.aiter_lines():
+                if not line.startswith("data:"):
+                    continue
+                data = line[5:].strip()
+                if data == "[DONE]":
+                    record.outcome = "ok"
+                    break
+                now = clock()
+                chunk = json.loads(data)
+                choices = chunk.get("choices")
+                if choices and choices[0].get("text"):
+                    times.append(now)
+                elif "error" in chunk:
+                    record.outcome = f"stream error {_code_of(chunk)}".strip()
+                    break
+                if chunk.get("usage"):
+                    usage = chunk["usage"]
+            else:
+                record.outcome = record.outcome or "stream ended without [DONE]"
+    except httpx.HTTPError as e:
+        record.outcome = f"exception {type(e).__name__}"
+    finally:
+        record.end = clock()
+    if times:
+        record.ttft = times[0] - record.start
+    record.output_tokens = (usage or {}).get("completion_tokens") or len(times)
+    record.prompt_tokens = (usage or {}).get("prompt_tokens")
+    return record
+
+
+def _error_code(raw: bytes) -> str:
+    try:
+        return _code_of(json.loads(raw))
+    except ValueError:
+        return ""
+
+
+def _code_of(body) -> str:
+    error = body.get("error") if isinstance(body, dict) else None
+    if isinstance(error, dict):
+        return str(error.get("code") or error.get("type") or "")
+    return str(error or "")

@@ -1,0 +1,128 @@
+"""HTTP mode: load an OpenAI-compatible /v1/completions endpoint and report each setting.
+
+    ask /v1/models (model name, max_model_len) -> calibrate prompt words -> warm up ->
+    for each concurrency or request rate: run the same seeded requests -> summarize
+    -> table, JSON, plot
+"""
+from __future__ import annotations
+
+import asyncio
+import random
+import time
+from datetime import datetime, timezone
+
+import httpx
+from tqdm.auto import tqdm
+
+from isoserve.bench import load, report
+from isoserve.bench.calibrate import calibrate
+from isoserve.bench.client import RequestRecord, completion_body, stream_completion
+from isoserve.bench.stats import summarize
+from isoserve.bench.workload import build_requests, lengths
+
+DEFAULT_OPEN_LOOP_REQUESTS = 64
+
+
+def api_root(base_url: str) -> str:
+    """Accept both http://host:port and OpenAI-style http://host:port/v1."""
+    root = base_url.rstrip("/")
+    return root[:-3] if root.endswith("/v1") else root
+
+
+def settings_from(args) -> list[dict]:
+    if args.request_rate:
+        return [{"mode": "open", "request_rate": r, "concurrency": None} for r in args.request_rate]
+    return [{"mode": "closed", "request_rate": None, "concurrency": c} for c in args.concurrency]
+
+
+def requests_for(setting: dict, num_requests: int | None) -> int:
+    if num_requests:
+        return num_requests
+    if setting["mode"] == "open":
+        return DEFAULT_OPEN_LOOP_REQUESTS
+    return max(16, 4 * setting["concurrency"])
+
+
+def run_http(args) -> dict:
+    return asyncio.run(_run(args))
+
+
+async def _run(args) -> dict:
+    root = api_root(args.base_url)
+    headers = {"Authorization": f"Bearer {args.key}"} if args.key else {}
+    settings = settings_from(args)
+    limits = httpx.Limits(max_connections=None, max_keepalive_connections=None)
+    timeout = httpx.Timeout(args.request_timeout, connect=30.0)
+    async with httpx.AsyncClient(base_url=root, limits=limits, timeout=timeout) as client:
+        model, max_model_len = await _model_card(client, headers, args.model)
+        cal = await calibrate(client, "/v1/completions", headers, model, args.seed)
+        most = max(requests_for(s, args.num_requests) for s in settings)
+        pairs = lengths(args.dataset, most, random.Random(args.seed), args.prompt_tokens, args.output_tokens,
+                        max_model_len)
+        specs = build_requests(pairs, cal.words_for, args.seed)
+
+        async def send(spec) -> RequestRecord:
+            body = completion_body(model, spec.prompt, spec.output_tokens, ignore_eos=args.ignore_eos,
+                                   temperature=args.temperature,
+                                   seed=args.seed if args.temperature > 0 else None)
+            return await stream_completion(client, "/v1/completions", headers, body, spec.index)
+
+        if args.warmup:
+            warm = build_requests(pairs[:args.warmup], cal.words_for, args.seed + 1)
+            await load.closed_loop(warm, len(warm), send, lambda: None)
+
+        summaries, per_request = [], []
+        for setting in settings:
+            batch = specs[:requests_for(setting, args.num_requests)]
+            records, seconds = await _run_setting(setting, batch, send, args.seed)
+            summaries.append(summarize(setting, records, seconds))
+            per_request.append([_compact(r) for r in sorted(records, key=lambda r: r.index)])
+    run = {
+        "label": args.label or "",
+        "date": datetime.now(timezone.utc).isoformat(timespec="seconds"),
+        "base_url": args.base_url,
+        "model": model,
+        "max_model_len": max_model_len,
+        "workload": {"dataset": args.dataset, "prompt_tokens": args.prompt_tokens,
+                     "output_tokens": args.output_tokens, "ignore_eos": args.ignore_eos,
+                     "temperature": args.temperature, "seed": args.seed, "warmup": args.warmup},
+        "calibration": {"offset_tokens": cal.offset, "tokens_per_word": cal.per_word,
+                        "measured": cal.measured},
+        "summaries": summaries,
+        "requests": per_request,
+    }
+    return run
+
+
+async def _run_setting(setting: dict, specs, send, seed: int) -> tuple[list[RequestRecord], float]:
+    name = report.setting_name(setting)
+    with tqdm(total=len(specs), desc=name, unit="req") as bar:
+        started = time.perf_counter()
+        if setting["mode"] == "open":
+            records = await load.open_loop(specs, setting["request_rate"], send, bar.update, seed)
+        else:
+            records = await load.closed_loop(specs, setting["concurrency"], send, bar.update)
+        seconds = time.perf_counter() - started
+    return records, seconds
+
+
+async def _model_card(client: httpx.AsyncClient, headers: dict, wanted: str | None) -> tuple[str, int | None]:
+    """The model to ask for (the first served one unless named) and its max_model_len, if told."""
+    try:
+        response = await client.get("/v1/models", headers=headers)
+        cards = response.json().get("data", []) if response.status_code == 200 else []
+    except (httpx.HTTPError, ValueError):
+        cards = []
+    if wanted is None:
+        if not cards:
+            raise SystemExit("bench: the server lists no models at /v1/models; pass --model")
+        wanted = cards[0]["id"]
+    card = next((c for c in cards if c.get("id") == wanted), {})
+    return wanted, card.get("max_model_len")
+
+
+def _compact(r: RequestRecord) -> dict:
+    return {"index": r.index, "outcome": r.outcome,
+            "ttft_ms": None if r.ttft is None else round(r.ttft * 1000, 3),
+            "e2e_ms": round((r.end - r.start) * 1000, 3),
+            "prompt_tokens": r.prompt_tokens, "output_tokens": r.output_tokens}

@@ -1,0 +1,60 @@
+"""Facts about the machine and the code a benchmark ran on, for the record next to its numbers."""
+from __future__ import annotations
+
+import os
+import platform
+import subprocess
+from pathlib import Path
+
+
+def _cpu_model() -> str:
+    try:
+        for line in Path("/proc/cpuinfo").read_text().splitlines():
+            if line.startswith("model name"):
+                return line.split(":", 1)[1].strip()
+    except OSError:
+        pass
+    return platform.processor() or "unknown"
+
+
+def _memory_gib() -> float | None:
+    try:
+        for line in Path("/proc/meminfo").read_text().splitlines():
+            if line.startswith("MemTotal:"):
+                return int(line.split()[1]) / 2**20
+    except OSError:
+        pass
+    return None
+
+
+def _git_commit() -> str:
+    root = Path(__file__).resolve().parents[2]
+    try:
+        commit = subprocess.run(["git", "rev-parse", "--short", "HEAD"], cwd=root, text=True,
+                                capture_output=True, check=True).stdout.strip()
+        dirty = subprocess.run(["git", "status", "--porcelain", "--untracked-files=no"], cwd=root,
+                               text=True, capture_output=True).stdout.strip()
+        return commit + (" (with uncommitted changes)" if dirty else "")
+    except (OSError, subprocess.CalledProcessError):
+        return "unknown"
+
+
+def machine_facts() -> dict:
+    import torch
+    import transformers
+    return {
+        "nproc": len(os.sched_getaffinity(0)) if hasattr(os, "sched_getaffinity") else os.cpu_count(),
+        "cpu_model": _cpu_model(),
+        "memory_gib": _memory_gib(),
+        "python": platform.python_version(),
+        "torch": torch.__version__,
+        "transformers": transformers.__version__,
+        "isoserve_commit": _git_commit(),
+    }
+
+
+def describe(facts: dict) -> str:
+    memory = f", {facts['memory_gib']:.0f} GiB" if facts.get("memory_gib") else ""
+    return (f"{facts['nproc']} cores ({facts['cpu_model']}){memory}; Python {facts['python']}, "
+            f"torch {facts['torch']}, transformers {facts['transformers']}; "
+            f"isoserve {facts['isoserve_commit']}")

@@ -1,0 +1,96 @@
+"""`isoserve bench`: its options, and which mode runs.
+
+    isoserve bench --base-url http://127.0.0.1:8000 --concurrency 1,8,32 --ignore-eos --json out.json
+    isoserve bench --offline --batch 1,8,32 --peers transformers,generate_batch
+"""
+from __future__ import annotations
+
+import argparse
+import os
+
+
+def _int_list(text: str) -> list[int]:
+    values = [int(v) for v in text.split(",") if v.strip()]
+    if not values or min(values) < 1:
+        raise argparse.ArgumentTypeError(f"expected positive integers like 1,8,32, got {text!r}")
+    return values
+
+
+def _float_list(text: str) -> list[float]:
+    values = [float(v) for v in text.split(",") if v.strip()]
+    if not values or min(values) <= 0:
+        raise argparse.ArgumentTypeError(f"expected positive rates like 0.5,2, got {text!r}")
+    return values
+
+
+def _name_list(text: str) -> list[str]:
+    return [v.strip() for v in text.split(",") if v.strip()]
+
+
+def add_arguments(p: argparse.ArgumentParser) -> None:
+    http = p.add_argument_group("HTTP mode (any OpenAI-compatible /v1/completions endpoint)")
+    http.add_argument("--base-url", help="e.g. http://127.0.0.1:8000 (a trailing /v1 is fine)")
+    http.add_argument("--key", default=os.environ.get("ISOSERVE_API_KEY") or os.environ.get("OPENAI_API_KEY"),
+                      help="API key (default: $ISOSERVE_API_KEY, then $OPENAI_API_KEY)")
+    load = http.add_mutually_exclusive_group()
+    load.add_argument("--concurrency", type=_int_list, default=[1, 8, 32], metavar="C[,C...]",
+                      help="closed loop: C requests in flight at all times (default 1,8,32)")
+    load.add_argument("--request-rate", type=_float_list, default=None, metavar="R[,R...]",
+                      help="open loop: Poisson arrivals at R requests/s")
+    http.add_argument("--num-requests", type=int, default=None,
+                      help="requests per setting (default: 4 x concurrency, at least 16; 64 open-loop)")
+    http.add_argument("--dataset", default="fixed", choices=["fixed", "sharegpt-like"],
+                      help="fixed lengths, or lognormal ShareGPT-like ones (see isoserve/bench/workload.py)")
+    http.add_argument("--ignore-eos", action="store_true", help="generate max_tokens every time")
+    http.add_argument("--temperature", type=float, default=0.0, help="default 0 (greedy)")
+    http.add_argument("--warmup", type=int, default=2, help="unmeasured requests first (default 2)")
+    http.add_argument("--request-timeout", type=float, default=600.0, help="seconds per request")
+    http.add_argument("--plot", metavar="PATH.png",
+                      help="throughput vs load and latency percentiles, as a PNG")
+
+    offline = p.add_argument_group("offline mode (isoserve's LLM vs transformers, one process)")
+    offline.add_argument("--offline", action="store_true", help="run the offline comparison")
+    offline.add_argument("--dtype", default="bfloat16", choices=["bfloat16", "float32"])
+    offline.add_argument("--batch", type=_int_list, default=[1, 8, 32], metavar="B[,B...]",
+                         help="prompts generated together (default 1,8,32)")
+    offline.add_argument("--peers", type=_name_list, default=["transformers"], metavar="NAME[,NAME...]",
+                         help="transformers (default) and/or generate_batch (continuous batching)")
+
+    both = p.add_argument_group("both modes")
+    both.add_argument("--model", default=None,
+                      help="HTTP: the served model name (default: the first in /v1/models); "
+                           "offline: model name or path (default smollm2-135m-instruct)")
+    both.add_argument("--prompt-tokens", type=int, default=100)
+    both.add_argument("--output-tokens", type=int, default=128)
+    both.add_argument("--seed", type=int, default=0)
+    both.add_argument("--json", metavar="PATH", help="write every number to this JSON file")
+    both.add_argument("--label", default="", help="a name for this run, in the table, JSON and plot")
+
+
+def run(args) -> int:
+    import logging
+
+    from isoserve.bench import report
+    logging.getLogger("httpx").setLevel(logging.WARNING)  # no log line per request
+    if args.offline:
+        from isoserve.bench.offline import run_offline, table
+        result = run_offline(args)
+        print(table(result))
+    else:
+        if not args.base_url:
+            raise SystemExit("bench: give --base-url (HTTP mode) or --offline")
+        from isoserve.bench.http_mode import run_http
+        result = run_http(args)
+        print(report.table(result["summaries"], args.label or f"{result['model']} at {args.base_url}"))
+        cal = result["calibration"]
+        print(f"prompts: {cal['tokens_per_word']:.3f} tokens per word + {cal['offset_tokens']:.1f} "
+              f"({'measured' if cal['measured'] else 'assumed'}); ITL = gaps between streamed tokens")
+        if args.plot:
+            from isoserve.bench.plot import plot_runs
+            plot_runs([(args.label, result["summaries"])], args.plot,
+                      title=args.label or f"{result['model']} at {args.base_url}")
+            print(f"wrote {args.plot}")
+    if args.json:
+        report.write_json(args.json, result)
+        print(f"wrote {args.json}")
+    return 0
