@@ -1,0 +1,338 @@
+"""Issue 4 acceptance, the one limit and the capacity audit, on real processes.
+
+- The router answers a prompt of limit+1 tokens with 400 `context_length_exceeded` and serves
+  one of exactly the limit; `/v1/models` advertises the limit.
+- Sent straight to a worker (the test plays the router over zmq), the same prompt is rejected
+  by the worker itself: no engine step runs, no page is held, no KV is sent.
+- A prefill pool below the context: `serve` exits 2 after printing the audit table,
+  `check-config` exits 2 (0 for a good sizing), and with `--allow-undersized-kv` the advertised
+  limit drops to what the pool holds, and the limit the router states is the one every worker
+  honours: a prompt at it is served whole, one over it gets 400.
+- A prompt the engine itself refuses (ids outside the vocabulary) ends that request and leaves
+  the worker serving.
+"""
+from __future__ import annotations
+
+import random
+import re
+import subprocess
+import time
+from pathlib import Path
+
+import httpx
+import pytest
+import zmq
+
+from isoserve import LLM, SamplingParams
+from isoserve.disagg.wire import Signer
+from serving import add_tenant, free_port, isoserve_cmd, running_server, subprocess_env
+
+CONTEXT = 512   # --context-length of every process here: small, so long prompts stay cheap
+DEFAULT_POOL = 2 * CONTEXT  # what a worker allocates when no pool size is given
+SECRET = "test-cluster-secret-0123456789abcdef"
+
+
+def prompt_ids(n: int, seed: int = 0) -> list[int]:
+    """n ordinary (non-special) token ids of SmolLM2's vocabulary."""
+    rng = random.Random(seed)
+    return [rng.randrange(100, 40000) for _ in range(n)]
+
+
+@pytest.fixture(scope="module")
+def model(tiny_llama_dir) -> str:
+    return str(tiny_llama_dir)
+
+
+@pytest.fixture(scope="module")
+def tenants(tmp_path_factory) -> tuple[Path, str]:
+    path = tmp_path_factory.mktemp("tenants") / "tenants.toml"
+    return path, add_tenant(path, "alice")
+
+
+@pytest.fixture(scope="module")
+def reference(model) -> LLM:
+    return LLM(model=model, dtype="float32", context_length=CONTEXT, kv_tokens=DEFAULT_POOL)
+
+
+@pytest.fixture(scope="module")
+def server(tmp_path_factory, model, tenants):
+    tmp = tmp_path_factory.mktemp("serve")
+    with running_server(tmp, "--model", model, "--dtype", "float32", "--context-length", str(CONTEXT),
+                        "--tenants", str(tenants[0])) as s:
+        yield s
+
+
+def complete(base_url: str, key: str, model: str, prompt: list[int], max_tokens: int,
+             stream: bool = False) -> httpx.Response:
+    body = {"model": model, "prompt": prompt, "max_tokens": max_tokens, "temperature": 0,
+            "ignore_eos": True, "stream": stream}
+    return httpx.post(base_url + "/v1/completions", json=body, timeout=60,
+                      headers={"Authorization": f"Bearer {key}"})
+
+
+def solo_text(reference: LLM, prompt: list[int], max_tokens: int) -> str:
+    result = reference.generate([prompt], SamplingParams(max_tokens=max_tokens, temperature=0,
+                                                         ignore_eos=True))[0]
+    assert result.finish_reason == "length"
+    return result.text
+
+
+def assert_context_length_exceeded(r: httpx.Response, prompt_len: int, limit: int) -> None:
+    assert r.status_code == 400, r.text
+    error = r.json()["error"]
+    assert error["code"] == "context_length_exceeded"
+    assert error["type"] == "invalid_request_error"
+    # The message states both numbers: the prompt's length and the limit it is over.
+    numbers = {int(n) for n in re.findall(r"\d+", error["message"])}
+    assert {prompt_len, limit} <= numbers, error["message"]
+
+
+def max_model_len(base_url: str, key: str) -> int:
+    r = httpx.get(base_url + "/v1/models", headers={"Authorization": f"Bearer {key}"})
+    assert r.status_code == 200, r.text
+    (card,) = r.json()["data"]
+    return card["max_model_len"]
+
+
+# ---- the router -----------------------------------------------------------------------------
+
+def test_router_rejects_limit_plus_one_and_serves_the_limit(server, tenants, model, reference):
+    key = tenants[1]
+    assert max_model_len(server.base_url, key) == CONTEXT
+    for max_tokens in (1, 6):
+        limit = CONTEXT - max_tokens  # pools hold 2 x context: the context is what binds
+        over = prompt_ids(limit + 1, seed=max_tokens)
+        assert_context_length_exceeded(complete(server.base_url, key, model, over, max_tokens),
+                                       limit + 1, limit)
+        # Streamed, it is the same 400 before any event, not a 200 stream with an error in it.
+        assert_context_length_exceeded(complete(server.base_url, key, model, over, max_tokens, stream=True),
+                                       limit + 1, limit)
+        at_limit = over[:limit]
+        r = complete(server.base_url, key, model, at_limit, max_tokens)
+        assert r.status_code == 200, r.text
+        assert r.json()["usage"] == {"prompt_tokens": limit, "completion_tokens": max_tokens,
+                                     "total_tokens": CONTEXT}
+        assert r.json()["choices"][0]["text"] == solo_text(reference, at_limit, max_tokens)
+
+
+# ---- a worker on its own: the test is the router --------------------------------------------
+
+class FakeRouter:
+    """A ROUTER socket on tcp loopback that speaks the router's signed protocol."""
+
+    def __init__(self, secret: bytes):
+        self.ctx = zmq.Context()
+        self.sock = self.ctx.socket(zmq.ROUTER)
+        self.sock.setsockopt(zmq.LINGER, 0)
+        port = self.sock.bind_to_random_port("tcp://127.0.0.1")
+        self.endpoint = f"tcp://127.0.0.1:{port}"
+        self.signer = Signer(secret, "router")
+        self.heartbeats: dict[str, dict] = {}   # worker -> its latest heartbeat body
+        self.received: list[tuple[str, object]] = []  # every non-heartbeat message, in order
+        self._unmatched: list = []  # received, not yet returned by wait_for
+
+    def send(self, worker: str, kind: str, body: dict) -> None:
+        self.sock.send_multipart([worker.encode(), *self.signer.pack(kind, body)])
+
+    def _receive(self, timeout: float):
+        if not self.sock.poll(int(timeout * 1000)):
+            return None
+        identity, *frames = self.sock.recv_multipart()
+        msg = self.signer.unpack(frames)
+        assert msg.sender == identity.decode()
+        if msg.kind == "heartbeat":
+            self.heartbeats[msg.sender] = msg.body
+        else:
+            self.received.append((msg.sender, msg))
+            self._unmatched.append(msg)
+        return msg
+
+    def wait_for(self, what: str, predicate, timeout: float = 60):
+        """The first message, received earlier or now, that matches (heartbeats: only new ones)."""
+        for msg in self._unmatched:
+            if predicate(msg):
+                self._unmatched.remove(msg)
+                return msg
+        deadline = time.monotonic() + timeout
+        while time.monotonic() < deadline:
+            msg = self._receive(deadline - time.monotonic())
+            if msg is not None and predicate(msg):
+                if msg in self._unmatched:
+                    self._unmatched.remove(msg)
+                return msg
+        raise TimeoutError(f"no {what} within {timeout} s; got {[(s, m.kind, m.body) for s, m in self.received]}")
+
+    def next_heartbeat(self, worker: str, timeout: float = 10) -> dict:
+        """A heartbeat sent after everything the worker sent before it (zmq keeps order)."""
+        msg = self.wait_for(f"heartbeat from {worker}",
+                            lambda m: m.kind == "heartbeat" and m.sender == worker, timeout)
+        return msg.body
+
+    def close(self) -> None:
+        self.sock.close(0)
+        self.ctx.term()
+
+
+def _outputs_for(rid: str):
+    return lambda m: m.kind == "outputs" and any(o["request_id"] == rid for o in m.body["outputs"])
+
+
+def test_worker_rejects_over_limit_prompt_on_receipt_without_computing_or_sending_kv(
+        tmp_path, model, reference):
+    secret_file = tmp_path / "cluster.secret"
+    secret_file.write_text(SECRET)
+    router = FakeRouter(SECRET.encode())
+    kv_endpoint = f"tcp://127.0.0.1:{free_port()}"
+    procs, logs = {}, []
+    try:
+        for role, extra in (("prefill", []), ("decode", ["--kv-endpoint", kv_endpoint])):
+            log = open(tmp_path / f"{role}.log", "w")
+            logs.append(log)
+            procs[role] = subprocess.Popen(
+                isoserve_cmd("worker", "--role", role, "--router", router.endpoint,
+                             "--cluster-secret-file", str(secret_file), "--worker-id", f"{role}-direct",
+                             "--model", model, "--dtype", "float32", "--context-length", str(CONTEXT),
+                             "--threads", "1", *extra),
+                stdout=log, stderr=subprocess.STDOUT, env=subprocess_env())
+        for role in procs:
+            reg = router.wait_for(f"register from {role}", lambda m, r=role: m.kind == "register"
+                                  and m.body["worker_id"] == f"{r}-direct")
+            assert reg.body["pool_tokens"] == DEFAULT_POOL and reg.body["context_length"] == CONTEXT
+            router.send(f"{role}-direct", "registered", {})
+        prefill, decode = "prefill-direct", "decode-direct"
+        before = {w: router.next_heartbeat(w) for w in (prefill, decode)}
+
+        max_tokens = 4
+        limit = CONTEXT - max_tokens
+        over = prompt_ids(limit + 1, seed=7)
+        params = SamplingParams(max_tokens=max_tokens, temperature=0, ignore_eos=True).to_dict()
+
+        # Decode first, as the router would: it must refuse to reserve pages for it.
+        router.send(decode, "reserve", {"request_id": "over-d", "tenant": "t", "prompt_token_ids": over,
+                                        "params": params})
+        reply = router.wait_for("decode's answer", _outputs_for("over-d"))
+        # Prefill, as a router that skipped its own check would: it must refuse to compute it.
+        router.send(prefill, "prefill", {"request_id": "over-p", "tenant": "t", "prompt_token_ids": over,
+                                         "params": params, "decode_endpoint": kv_endpoint})
+        reply_p = router.wait_for("prefill's answer", _outputs_for("over-p"))
+        for msg, rid in ((reply, "over-d"), (reply_p, "over-p")):
+            (out,) = msg.body["outputs"]
+            assert out["request_id"] == rid and out["finished"] and out["finish_reason"] == "error"
+            assert out["token_ids"] == [] and out["output_tokens"] == 0
+            assert out["error"]["code"] == "context_length_exceeded"
+            assert {limit + 1, limit} <= {int(n) for n in re.findall(r"\d+", out["error"]["message"])}
+        after = {w: router.next_heartbeat(w) for w in (prefill, decode)}
+        assert not any(m.kind == "reserved" for _, m in router.received)
+        for w in (prefill, decode):
+            counters = after[w]["counters"]
+            assert counters.get("steps", 0) == before[w]["counters"].get("steps", 0), counters
+            assert "transfers_sent" not in counters, counters
+            assert after[w]["pages_used"] == 0 and after[w]["running"] == after[w]["waiting"] == 0
+
+        # A prompt the engine itself refuses (ids outside the vocabulary) also ends at once, and
+        # the worker lives on.
+        router.send(decode, "reserve", {"request_id": "bad-ids", "tenant": "t", "params": params,
+                                        "prompt_token_ids": [5, 10**6, 7]})
+        (out,) = router.wait_for("decode's answer", _outputs_for("bad-ids")).body["outputs"]
+        assert out["finish_reason"] == "error" and out["error"]["code"] == "invalid_request"
+
+        # The same route with a prompt of exactly the limit IS computed, sent and decoded.
+        ok = over[:limit]
+        router.send(decode, "reserve", {"request_id": "ok", "tenant": "t", "prompt_token_ids": ok,
+                                        "params": params})
+        router.wait_for("reserved", lambda m: m.kind == "reserved" and m.body["request_id"] == "ok")
+        router.send(prefill, "prefill", {"request_id": "ok", "tenant": "t", "prompt_token_ids": ok,
+                                         "params": params, "decode_endpoint": kv_endpoint})
+        tokens, finished = [], False
+        while not finished:
+            msg = router.wait_for("decode's tokens", _outputs_for("ok"))
+            assert msg.sender == decode
+            for out in (o for o in msg.body["outputs"] if o["request_id"] == "ok"):
+                assert out["error"] is None and not finished, out
+                tokens += out["token_ids"]
+                finished = out["finished"]
+        assert out["finish_reason"] == "length"
+        want = reference.generate([ok], SamplingParams(max_tokens=max_tokens, temperature=0,
+                                                       ignore_eos=True))[0].token_ids
+        assert tokens == want
+        counters = router.next_heartbeat(prefill)["counters"]
+        assert counters.get("steps", 0) > before[prefill]["counters"].get("steps", 0)
+        assert counters["transfers_sent"] == 1
+        assert router.next_heartbeat(decode)["counters"].get("steps", 0) > 0
+    finally:
+        for proc in procs.values():
+            proc.terminate()
+        for proc in procs.values():
+            try:
+                proc.wait(timeout=20)
+            except subprocess.TimeoutExpired:
+                proc.kill()
+        for log in logs:
+            log.close()
+        router.close()
+
+
+# ---- the capacity audit ---------------------------------------------------------------------
+
+UNDERSIZED = ["--context-length", str(CONTEXT), "--prefill-kv-tokens", str(CONTEXT // 2)]
+
+
+def test_serve_exits_2_with_the_audit_table_when_a_pool_is_below_the_context(tmp_path, model, tenants):
+    with running_server(tmp_path, "--model", model, "--dtype", "float32", "--tenants", str(tenants[0]),
+                        *UNDERSIZED, wait=False) as s:
+        assert s.proc.wait(timeout=120) == 2, s.log()[-3000:]
+        log = s.log()
+    lines = log.splitlines()
+    header = next(i for i, line in enumerate(lines) if line.split()[:2] == ["group", "worker"])
+    assert re.match(r"group\s+worker\s+pool tokens\s+context\s+ratio", lines[header])
+    rows = {line.split()[0]: line.split() for line in lines[header + 1:header + 3]}
+    assert rows["prefill"][1:5] == ["prefill-0", str(CONTEXT // 2), str(CONTEXT), "0.50"]
+    assert "REFUSED" in rows["prefill"][5]
+    assert rows["decode"][1:6] == ["decode-0", str(DEFAULT_POOL), str(CONTEXT), "2.00", "ok"]
+    assert "capacity audit FAILED" in log
+    assert "Call it:" not in log  # it never started the HTTP server
+
+
+CHECKS = {  # sizing -> expected exit status of check-config
+    "prefill-tokens-below-context": (UNDERSIZED, 2),
+    # A memory budget too small for the context: 0.0001 GiB is 13 pages of 512 B/token here.
+    "decode-memory-below-context": (["--context-length", str(CONTEXT), "--decode-kv-memory-gb", "0.0001"], 2),
+    "fits": (["--context-length", str(CONTEXT), "--prefill-kv-tokens", str(CONTEXT),
+              "--decode-kv-tokens", str(2 * CONTEXT), "--min-kv-headroom", "1.0"], 0),
+}
+
+
+def test_check_config_exits_0_or_2_without_serving(model):
+    procs = {name: subprocess.Popen(isoserve_cmd("check-config", "--model", model, "--dtype", "float32",
+                                                 *sizing), env=subprocess_env(), text=True,
+                                    stdout=subprocess.PIPE, stderr=subprocess.PIPE)
+             for name, (sizing, _) in CHECKS.items()}  # at once: each mostly waits on imports
+    for name, proc in procs.items():
+        out, err = proc.communicate(timeout=120)
+        status = CHECKS[name][1]
+        assert proc.returncode == status, (name, out, err)
+        assert re.search(r"group\s+worker\s+pool tokens\s+context\s+ratio", out), (name, out)
+        assert ("REFUSED" in out) == (status == 2), (name, out)
+
+
+def test_allow_undersized_kv_lowers_and_enforces_the_advertised_limit(tmp_path, model, tenants, reference):
+    key = tenants[1]
+    with running_server(tmp_path, "--model", model, "--dtype", "float32", "--tenants", str(tenants[0]),
+                        *UNDERSIZED, "--allow-undersized-kv") as s:
+        pool = CONTEXT // 2
+        assert max_model_len(s.base_url, key) == pool
+        max_tokens = 4
+        over = prompt_ids(pool + 1, seed=11)  # fits the context (512 - 4), not the prefill pool
+        r = complete(s.base_url, key, model, over, max_tokens)
+        assert r.status_code == 400, r.text
+        limit = int(re.search(r"allows a prompt of (\d+) tokens", r.json()["error"]["message"])[1])
+        assert pool - max_tokens <= limit <= pool
+        assert_context_length_exceeded(r, pool + 1, limit)
+        # The limit the router states is the one every worker honours: a prompt of exactly that
+        # length is computed and decoded whole, one more token is refused by the router.
+        r = complete(s.base_url, key, model, over[:limit], max_tokens)
+        assert r.status_code == 200, r.text
+        assert r.json()["usage"]["prompt_tokens"] == limit
+        assert r.json()["choices"][0]["text"] == solo_text(reference, over[:limit], max_tokens)
+        assert_context_length_exceeded(complete(s.base_url, key, model, over[:limit + 1], max_tokens),
+                                       limit + 1, limit)
