@@ -3,7 +3,9 @@
 TTFT is from sending the request to the first event that carries text; the inter-token
 latencies are the gaps between successive text-carrying events. isoserve, vLLM and llama.cpp
 send one token per event, so these are per-token gaps; a server that packs several tokens into
-one event shows fewer, longer gaps (its token count still comes from `usage`).
+one event shows fewer, longer gaps. A token with no text of its own (a special token such as
+<|im_end|>, which `ignore_eos` lets through, or part of a multi-byte character) sends no event
+on isoserve, so its gap merges into the next one. Token counts always come from `usage`.
 
 The loop does as little as it can per event: it runs on the same cores as the server.
 """
@@ -77,7 +79,7 @@ async def stream_completion(client: httpx.AsyncClient, url: str, headers: dict, 
                     usage = chunk["usage"]
             else:
                 record.outcome = record.outcome or "stream ended without [DONE]"
-    except httpx.HTTPError as e:
+    except (httpx.HTTPError, ValueError) as e:  # ValueError: an event that is not JSON
         record.outcome = f"exception {type(e).__name__}"
     finally:
         record.end = clock()

@@ -69,7 +69,9 @@ async def _run(args) -> dict:
 
         if args.warmup:
             warm = build_requests(pairs[:args.warmup], cal.words_for, args.seed + 1)
-            await load.closed_loop(warm, len(warm), send, lambda: None)
+            for r in await load.closed_loop(warm, len(warm), send, lambda: None):
+                if not r.ok:
+                    print(f"warm-up request failed: {r.outcome}")
 
         summaries, per_request = [], []
         for setting in settings:
@@ -77,7 +79,7 @@ async def _run(args) -> dict:
             records, seconds = await _run_setting(setting, batch, send, args.seed)
             summaries.append(summarize(setting, records, seconds))
             per_request.append([_compact(r) for r in sorted(records, key=lambda r: r.index)])
-    run = {
+    return {
         "label": args.label or "",
         "date": datetime.now(timezone.utc).isoformat(timespec="seconds"),
         "base_url": args.base_url,
@@ -91,7 +93,6 @@ async def _run(args) -> dict:
         "summaries": summaries,
         "requests": per_request,
     }
-    return run
 
 
 async def _run_setting(setting: dict, specs, send, seed: int) -> tuple[list[RequestRecord], float]:
@@ -110,12 +111,16 @@ async def _model_card(client: httpx.AsyncClient, headers: dict, wanted: str | No
     """The model to ask for (the first served one unless named) and its max_model_len, if told."""
     try:
         response = await client.get("/v1/models", headers=headers)
+    except httpx.HTTPError as e:
+        raise SystemExit(f"bench: cannot reach {client.base_url}: {type(e).__name__}: {e}") from None
+    try:
         cards = response.json().get("data", []) if response.status_code == 200 else []
-    except (httpx.HTTPError, ValueError):
+    except ValueError:
         cards = []
     if wanted is None:
         if not cards:
-            raise SystemExit("bench: the server lists no models at /v1/models; pass --model")
+            raise SystemExit(f"bench: GET /v1/models answered HTTP {response.status_code} with no "
+                             f"model ({response.text[:200]!r}); check --key, or pass --model")
         wanted = cards[0]["id"]
     card = next((c for c in cards if c.get("id") == wanted), {})
     return wanted, card.get("max_model_len")

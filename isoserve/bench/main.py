@@ -74,6 +74,8 @@ def run(args) -> int:
     logging.getLogger("httpx").setLevel(logging.WARNING)  # no log line per request
     if args.offline:
         from isoserve.bench.offline import run_offline, table
+        if args.plot:
+            print("bench: --plot draws HTTP runs only; the offline table is printed instead")
         result = run_offline(args)
         print(table(result))
     else:

@@ -10,6 +10,7 @@ import random
 import time
 from datetime import datetime, timezone
 
+from isoserve.bench.machine import machine_facts
 from isoserve.bench.workload import random_words
 
 WARMUP_PROMPTS, WARMUP_TOKENS = 2, 4
@@ -89,7 +90,7 @@ def run_offline(args) -> dict:
         "label": args.label or "",
         "date": datetime.now(timezone.utc).isoformat(timespec="seconds"),
         "model": model, "dtype": args.dtype, "torch_threads": torch.get_num_threads(),
-        "torch_version": torch.__version__,
+        "machine": machine_facts(),
         "prompt_tokens": args.prompt_tokens, "output_tokens": args.output_tokens, "seed": args.seed,
         "peers": [p.name for p in chosen],
         "results": rows,

@@ -111,6 +111,16 @@ def serve(args) -> int:
         return 0
 
 
+def _die_with_parent() -> None:
+    """In a worker started by `serve`: get SIGTERM if serve dies, even by SIGKILL (Linux)."""
+    import ctypes
+    PR_SET_PDEATHSIG = 1
+    try:
+        ctypes.CDLL("libc.so.6", use_errno=True).prctl(PR_SET_PDEATHSIG, signal.SIGTERM)
+    except OSError:  # not Linux: serve's own shutdown still stops its workers
+        pass
+
+
 def _local_endpoint(endpoint: str) -> str:
     """Where a worker on this host reaches an endpoint the router bound to all interfaces."""
     return endpoint.replace("://0.0.0.0:", "://127.0.0.1:").replace("://*:", "://127.0.0.1:")
@@ -182,7 +192,7 @@ async def _serve(args) -> int:
             kv = f"ipc://{runtime_dir}/kv-{role}-{i}.sock" if role == "decode" else ""
             cmd = _worker_command(args, role, i, _local_endpoint(listen), kv, threads)
             log.debug("starting worker: %s", shlex.join(cmd))
-            procs.append(subprocess.Popen(cmd, env=env))
+            procs.append(subprocess.Popen(cmd, env=env, preexec_fn=_die_with_parent))
     try:
         if total:
             log.info("waiting for %d worker(s) to load the model and register", total)
@@ -203,6 +213,9 @@ async def _serve(args) -> int:
         server = uvicorn.Server(uvicorn.Config(app, host=args.host, port=args.port,
                                                log_level="warning", lifespan="off"))
         _print_how_to_call(args, settings.model_name, router.max_model_len(), new_key)
+        # uvicorn re-raises the signal that stopped it once it is done; with the default
+        # SIGTERM action that would kill us before the workers are stopped below.
+        signal.signal(signal.SIGTERM, lambda *_: None)
         await server.serve()
         return 0
     finally:

@@ -1,0 +1,344 @@
+#!/usr/bin/env python
+"""Run isoserve's benchmarks and their peers in one go, and write docs/benchmarks.md.
+
+    python bench/run_benchmarks.py                       # every part, full size
+    python bench/run_benchmarks.py --parts serve,guards  # some parts; the others' sections stay
+    python bench/run_benchmarks.py --quick               # smoke run, to bench/out/benchmarks-quick.md
+
+Parts (each result is a ratio against its peer measured in the same run):
+    offline   `isoserve bench --offline`: LLM.generate vs transformers generate (and generate_batch)
+    serve     `isoserve serve` disaggregated vs --mode aggregated, concurrency 1 and 16
+    guards    guards on vs all off, transfer checksums off, --scrub-freed-pages; concurrency 32
+    transfer  KV transfer MB/s from the disaggregated server's /metrics vs raw pyzmq, same shapes
+
+Each server is started here on a free loopback port with a fresh tenants file, loaded with
+`isoserve bench` (a separate process, so the commands in the document are the real ones), and
+stopped with SIGTERM. Raw JSON and server logs stay in the work folder (bench/out/run-*).
+Not a test: nothing here asserts on a timing.
+"""
+from __future__ import annotations
+
+import argparse
+import json
+import statistics
+import subprocess
+import sys
+import time
+import traceback
+from dataclasses import dataclass, field
+from datetime import datetime
+from pathlib import Path
+
+ROOT = Path(__file__).resolve().parent.parent
+sys.path.insert(0, str(ROOT))
+
+from isoserve.bench import docfile, prom, zmq_raw  # noqa: E402
+from isoserve.bench.local_server import (add_tenant, child_env, isoserve_cmd, local_server,  # noqa: E402
+                                         shown)
+from isoserve.bench.machine import describe, machine_facts  # noqa: E402
+from isoserve.bench.plot import plot_runs  # noqa: E402
+from isoserve.config import GUARD_NAMES  # noqa: E402
+
+PARTS = ("offline", "serve", "guards", "transfer")
+TITLE = "# Benchmarks"
+PAGE_SIZE = 16  # isoserve serve's default, which these runs keep
+
+
+@dataclass
+class Plan:
+    model: str
+    dtype: str
+    quick: bool
+    prompt_tokens: int = 100
+    output_tokens: int = 128
+    offline_batches: str = "1,8,32"
+    serve_concurrency: str = "1,16"
+    guard_concurrency: int = 32
+    num_requests: int | None = None  # isoserve bench's default: 4 x concurrency, at least 16
+    guard_rounds: int = 2
+    zmq_messages: int = 50
+
+    @classmethod
+    def make(cls, args) -> Plan:
+        if not args.quick:
+            return cls(args.model, args.dtype, False, guard_rounds=args.guard_rounds or 2)
+        return cls(args.model, args.dtype, True, output_tokens=16, offline_batches="1,2",
+                   serve_concurrency="1,4", guard_concurrency=4, num_requests=8,
+                   guard_rounds=args.guard_rounds or 1, zmq_messages=20)
+
+
+@dataclass
+class Run:
+    plan: Plan
+    work: Path   # scratch: JSON results, server logs, the tenants file
+    out: Path    # the Markdown file being updated
+    tenants: Path
+    key: str
+    disaggregated_metrics: str | None = None   # /metrics of the serve part's disaggregated server
+    disaggregated_summary: dict | None = None
+    results: dict = field(default_factory=dict)
+
+    def show(self, cmd: list[str]) -> str:
+        return shown(cmd).replace(str(self.work), "$WORK")
+
+    def bench(self, server, label: str, concurrency: str) -> tuple[dict, str]:
+        """`isoserve bench` against a running server; its JSON and the command shown."""
+        out = self.work / f"{label}.json"
+        cmd = isoserve_cmd("bench", "--base-url", server.base_url, "--concurrency", concurrency,
+                           "--prompt-tokens", str(self.plan.prompt_tokens),
+                           "--output-tokens", str(self.plan.output_tokens), "--ignore-eos",
+                           "--json", str(out), "--label", label)
+        if self.plan.num_requests:
+            cmd += ["--num-requests", str(self.plan.num_requests)]
+        subprocess.run(cmd, check=True, env=child_env(ISOSERVE_API_KEY=self.key))
+        return json.loads(out.read_text()), self.show(cmd)
+
+    def serve(self, label: str, *extra: str):
+        args = ["--model", self.plan.model, "--dtype", self.plan.dtype, *extra]
+        return local_server(args, self.tenants, self.work / f"serve-{label}.log")
+
+
+# ---- formatting --------------------------------------------------------------------------------
+
+def num(value, digits: int = 1) -> str:
+    return "-" if value is None else f"{value:.{digits}f}"
+
+
+def ratio(a, b, digits: int = 2) -> str:
+    return "-" if a is None or not b else f"{a / b:.{digits}f}x"
+
+
+def md_table(headers: list[str], rows: list[list[str]]) -> str:
+    lines = ["| " + " | ".join(headers) + " |", "|" + "|".join("---:" for _ in headers) + "|"]
+    lines += ["| " + " | ".join(str(c) for c in row) + " |" for row in rows]
+    return "\n".join(lines)
+
+
+def section(title: str, run: Run, commands: list[str], body: str) -> str:
+    when = datetime.now().astimezone().strftime("%Y-%m-%d %H:%M %Z")
+    quick = ("\n**Quick smoke run (`--quick`): too few requests for the numbers to mean "
+             "anything.**\n" if run.plan.quick else "")
+    cmds = "\n".join(commands)
+    return (f"## {title}\n{quick}\nMeasured {when} on {describe(machine_facts())}.\n\n"
+            f"{body}\n\nCommands (`$WORK` is the run's scratch folder, the key comes from "
+            f"`isoserve tenants add` through `$ISOSERVE_API_KEY`):\n\n```\n{cmds}\n```\n")
+
+
+# ---- parts -------------------------------------------------------------------------------------
+
+def part_offline(run: Run) -> str:
+    p = run.plan
+    out = run.work / "offline.json"
+    cmd = isoserve_cmd("bench", "--offline", "--model", p.model, "--dtype", p.dtype,
+                       "--batch", p.offline_batches, "--prompt-tokens", str(p.prompt_tokens),
+                       "--output-tokens", str(p.output_tokens),
+                       "--peers", "transformers,generate_batch", "--json", str(out))
+    subprocess.run(cmd, check=True, env=child_env())
+    data = json.loads(out.read_text())
+    peers = data["peers"][1:]
+    headers = ["batch", "isoserve tok/s"]
+    for peer in peers:
+        headers += [f"{peer} tok/s", f"isoserve / {peer}"]
+    rows = []
+    for r in data["results"]:
+        row = [r["batch"], num(r["isoserve"]["output_tokens_per_s"])]
+        for peer in peers:
+            row += [num(r[peer]["output_tokens_per_s"]), f"{r['ratios']['isoserve/' + peer]:.2f}x"]
+        rows.append(row)
+    body = (f"Output tokens/s of `LLM.generate` and of transformers on the same {p.model} weights "
+            f"({p.dtype}, {data['torch_threads']} torch threads, one process), the same "
+            f"{p.prompt_tokens}-token prompts, greedy, exactly {p.output_tokens} new tokens each "
+            f"(isoserve `ignore_eos`; transformers `min_new_tokens`; `generate_batch` with EOS off). "
+            f"Time includes prefill. Each engine was warmed up once with a tiny run.\n\n"
+            + md_table(headers, rows))
+    return section("Offline engine vs transformers (issue 2)", run, [run.show(cmd)], body)
+
+
+def part_serve(run: Run) -> str:
+    p = run.plan
+    results, commands = {}, []
+    for mode in ("disaggregated", "aggregated"):
+        with run.serve(mode, "--mode", mode) as server:
+            results[mode], bench_cmd = run.bench(server, f"serve-{mode}", p.serve_concurrency)
+            metrics = server.metrics()
+            commands += [run.show(server.command), bench_cmd]
+        if mode == "disaggregated":
+            run.disaggregated_metrics, run.disaggregated_summary = metrics, results[mode]
+    d, a = results["disaggregated"]["summaries"], results["aggregated"]["summaries"]
+    rows = []
+    for sd, sa in zip(d, a):
+        rows.append([sd["concurrency"],
+                     num(sd["output_tokens_per_s"]), num(sa["output_tokens_per_s"]),
+                     ratio(sd["output_tokens_per_s"], sa["output_tokens_per_s"]),
+                     num(sd["ttft_ms"]["p50"]), num(sa["ttft_ms"]["p50"]),
+                     ratio(sd["ttft_ms"]["p50"], sa["ttft_ms"]["p50"]),
+                     num(sd["itl_ms"]["p50"]), num(sa["itl_ms"]["p50"]),
+                     ratio(sd["itl_ms"]["p50"], sa["itl_ms"]["p50"]),
+                     f"{sd['failed']} / {sa['failed']}"])
+    headers = ["concurrency", "disagg tok/s", "agg tok/s", "disagg / agg", "disagg TTFT p50 ms",
+               "agg TTFT p50 ms", "disagg / agg", "disagg ITL p50 ms", "agg ITL p50 ms",
+               "disagg / agg", "failed (d / a)"]
+    plot = run.out.parent / "benchmarks-serve.png"
+    plot_runs([("disaggregated", d), ("aggregated", a)], plot,
+              title=f"isoserve serve, {p.model} {p.dtype}")
+    body = (f"`isoserve serve` with one prefill and one decode worker (the default) against "
+            f"`--mode aggregated` (one worker doing both), {p.model} {p.dtype}, "
+            f"~{p.prompt_tokens}-token prompts (mean as the server counted them: "
+            f"{num(d[0]['mean_prompt_tokens'])}), {p.output_tokens} output tokens with "
+            f"`ignore_eos`, closed loop. Output tokens/s of successful requests over the wall "
+            f"time; TTFT and inter-token latency (ITL) as the client saw them. Ratios below 1 in "
+            f"the latency columns mean disaggregated is faster.\n\n"
+            + md_table(headers, rows) + f"\n\n![throughput and latency]({plot.name})")
+    return section("Disaggregated vs aggregated serving (issue 3)", run, commands, body)
+
+
+GUARD_CONFIGS = {  # label: extra `isoserve serve` flags
+    "guards on": [],
+    "guards all off": ["--unsafe-disable-guard", ",".join(GUARD_NAMES)],
+    "transfer checksum off": ["--unsafe-disable-guard", "transfer_checksum"],
+    "scrub freed pages": ["--scrub-freed-pages"],
+}
+
+
+def part_guards(run: Run) -> str:
+    p = run.plan
+    names = list(GUARD_CONFIGS)
+    measured: dict[str, list[dict]] = {n: [] for n in names}
+    commands: dict[str, list[str]] = {}
+    for r in range(p.guard_rounds):
+        order = names[r % len(names):] + names[:r % len(names)]  # rotate: drift hits each alike
+        for name in order:
+            label = f"guards-{name.replace(' ', '-')}-round{r + 1}"
+            with run.serve(label, *GUARD_CONFIGS[name]) as server:
+                data, bench_cmd = run.bench(server, label, str(p.guard_concurrency))
+                transfer = prom.kv_transfer(server.metrics())
+                commands.setdefault(name, [run.show(server.command), bench_cmd])
+            s = data["summaries"][0]
+            measured[name].append({"tok_s": s["output_tokens_per_s"], "itl_p50": s["itl_ms"]["p50"],
+                                   "tpot_p50": s["tpot_ms"]["p50"], "failed": s["failed"],
+                                   "transfer_mb_s": transfer["mb_per_s"]})
+
+    def median(name: str, key: str):
+        values = [m[key] for m in measured[name] if m[key] is not None]
+        return statistics.median(values) if values else None
+
+    base = {k: median("guards on", k) for k in ("tok_s", "itl_p50", "tpot_p50", "transfer_mb_s")}
+    rows = []
+    for name in names:
+        m = {k: median(name, k) for k in base}
+        rows.append([name, num(m["tok_s"]), ratio(m["tok_s"], base["tok_s"], 3),
+                     num(m["itl_p50"], 2), ratio(m["itl_p50"], base["itl_p50"], 3),
+                     num(m["tpot_p50"], 2), ratio(m["tpot_p50"], base["tpot_p50"], 3),
+                     num(m["transfer_mb_s"]), ratio(m["transfer_mb_s"], base["transfer_mb_s"], 3),
+                     sum(x["failed"] for x in measured[name])])
+    headers = ["configuration", "out tok/s", "vs guards on", "ITL p50 ms", "vs guards on",
+               "TPOT p50 ms", "vs guards on", "KV transfer MB/s", "vs guards on", "failed"]
+    per_round = "; ".join(f"{n}: " + ", ".join(num(x["tok_s"]) for x in measured[n]) for n in names)
+    body = (f"Disaggregated `isoserve serve`, {p.model} {p.dtype}, concurrency "
+            f"{p.guard_concurrency}, ~{p.prompt_tokens}-token prompts, {p.output_tokens} output "
+            f"tokens (`ignore_eos`). Each configuration ran {p.guard_rounds} time(s), in rotated "
+            f"order, each on a fresh server; the table shows medians. \"guards all off\" is "
+            f"`--unsafe-disable-guard {','.join(GUARD_NAMES)}`. TPOT is (last token - first "
+            f"token) / (tokens - 1) per request. KV transfer MB/s is from each server's "
+            f"/metrics (bytes / summed transfer seconds).\n\n" + md_table(headers, rows)
+            + f"\n\nOutput tok/s per round: {per_round}.")
+    cmds = [c for n in names for c in commands.get(n, [])]
+    return section("Guards on vs off, page scrubbing, transfer checksums (issue 4)", run, cmds, body)
+
+
+def part_transfer(run: Run) -> str:
+    p = run.plan
+    commands = []
+    if run.disaggregated_metrics is None:  # the serve part did not run: load a server here
+        with run.serve("transfer") as server:
+            conc = p.serve_concurrency.split(",")[-1]
+            run.disaggregated_summary, bench_cmd = run.bench(server, "transfer", conc)
+            run.disaggregated_metrics = server.metrics()
+            commands += [run.show(server.command), bench_cmd]
+    else:
+        commands.append("# the disaggregated server and load of the serving section above")
+    t = prom.kv_transfer(run.disaggregated_metrics)
+    if not t["transfers"]:
+        body = "The server's /metrics counted no KV transfers; nothing to compare."
+        return section("KV transfer vs raw pyzmq (issue 3)", run, commands, body)
+    prompt = statistics.mean(s["mean_prompt_tokens"] or p.prompt_tokens
+                             for s in run.disaggregated_summary["summaries"])
+    frames = max(1, -(-round(prompt) // PAGE_SIZE))
+    frame_bytes = max(1, round(t["mean_bytes"] / frames))
+    raw = zmq_raw.raw_throughput(frame_bytes, frames, p.zmq_messages)
+    commands.append(f"python -c 'from isoserve.bench.zmq_raw import raw_throughput; "
+                    f"print(raw_throughput({frame_bytes}, {frames}, {p.zmq_messages}))'")
+    rows = [[num(t["mb_per_s"]), num(raw["mb_per_s"]), ratio(t["mb_per_s"], raw["mb_per_s"]),
+             t["transfers"], num(t["mean_bytes"] / 1e6, 2), num(t["mean_ms"], 2)]]
+    headers = ["isoserve KV transfer MB/s", "raw pyzmq MB/s", "isoserve / raw", "transfers",
+               "mean transfer MB", "mean transfer ms"]
+    body = (f"isoserve's figure is `isoserve_kv_transfer_bytes_total / "
+            f"isoserve_kv_transfer_seconds_sum` from the disaggregated server's /metrics: each "
+            f"transfer timed from the prefill worker building its manifest to the decode worker "
+            f"having verified and written the pages, so it includes page gathering, checksums and "
+            f"any wait behind a decode step. Raw pyzmq: PUSH/PULL over ipc:// between two "
+            f"processes, zero-copy, {p.zmq_messages} multipart messages of {frames} frames x "
+            f"{frame_bytes} bytes (the mean transfer's shape: one frame per {PAGE_SIZE}-token "
+            f"page), measured in the same run.\n\n" + md_table(headers, rows))
+    return section("KV transfer vs raw pyzmq (issue 3)", run, commands, body)
+
+
+def intro() -> str:
+    return ("Produced by `python bench/run_benchmarks.py` (see its docstring); each section "
+            "says when and on what it was measured, the exact commands, and compares each "
+            "result with its peer from the same run. `isoserve bench --help` runs any one "
+            "measurement by hand, against any OpenAI-compatible server.")
+
+
+# ---- main --------------------------------------------------------------------------------------
+
+def main() -> int:
+    ap = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
+    ap.add_argument("--parts", default=",".join(PARTS), help=f"comma-separated: {', '.join(PARTS)}")
+    ap.add_argument("--quick", action="store_true", help="smoke run: few requests, short outputs")
+    ap.add_argument("--model", default="smollm2-135m-instruct")
+    ap.add_argument("--dtype", default="bfloat16", choices=["bfloat16", "float32"])
+    ap.add_argument("--guard-rounds", type=int, default=None,
+                    help="times each guard configuration runs (default 2; 1 with --quick)")
+    ap.add_argument("--out", type=Path, default=None,
+                    help="Markdown file to update (default docs/benchmarks.md; "
+                         "bench/out/benchmarks-quick.md with --quick)")
+    ap.add_argument("--work", type=Path, default=None, help="scratch folder (default bench/out/run-DATE)")
+    args = ap.parse_args()
+    parts = [p.strip() for p in args.parts.split(",") if p.strip()]
+    unknown = set(parts) - set(PARTS)
+    if unknown:
+        ap.error(f"unknown part(s) {sorted(unknown)}; choose from {', '.join(PARTS)}")
+
+    plan = Plan.make(args)
+    work = args.work or ROOT / "bench" / "out" / f"run-{datetime.now():%Y%m%d-%H%M%S}"
+    work.mkdir(parents=True, exist_ok=True)
+    out = args.out or ROOT / ("bench/out/benchmarks-quick.md" if plan.quick else "docs/benchmarks.md")
+    tenants = work / "tenants.toml"
+    run = Run(plan, work, out, tenants, add_tenant(tenants, "bench"))
+
+    functions = {"offline": part_offline, "serve": part_serve, "guards": part_guards,
+                 "transfer": part_transfer}
+    sections, failed = {"intro": intro()}, []
+    for part in PARTS:  # a fixed order: transfer reuses the serve part's server when both run
+        if part not in parts:
+            continue
+        print(f"\n=== {part} ===", flush=True)
+        started = time.monotonic()
+        try:
+            sections[part] = functions[part](run)
+        except Exception:
+            traceback.print_exc()
+            failed.append(part)
+        print(f"=== {part}: {'FAILED' if part in failed else 'done'} in "
+              f"{time.monotonic() - started:.0f} s ===", flush=True)
+    docfile.update_sections(out, sections, TITLE)
+    print(f"\nwrote {out} (sections: {', '.join(s for s in sections if s != 'intro')}); "
+          f"raw results and server logs in {work}")
+    if failed:
+        print(f"FAILED parts: {', '.join(failed)}", file=sys.stderr)
+    return 1 if failed else 0
+
+
+if __name__ == "__main__":
+    sys.exit(main())
