@@ -354,7 +354,7 @@ def test_the_incident_placeholder_transfer_is_stopped_by_the_writer_tag_guard(tm
         assert wait_for_metric(server, 2, "isoserve_guard_violations_total",
                                worker="decode-0", guard="writer_tags") == 2
         log = server.log()
-        assert log.count("FAILPOINT prefill.placeholder_on_reject:") == 2  # the bug did happen
+        assert log.count("failpoint prefill.placeholder_on_reject fired:") == 2  # the bug did happen
         assert "KV isolation violation" in log  # logged with pages and tags
 
         # The engine's own "cannot fit" check is not a guard: it stays on, and ends the request.

@@ -104,7 +104,7 @@ class PrefillRole(Role):
             if not failpoints.fire("prefill.placeholder_on_reject"):
                 raise
             # The incident's bug, reproduced on purpose: the rejection mutates the request.
-            log.error("FAILPOINT prefill.placeholder_on_reject: %s replaced by a 1-token placeholder", rid)
+            log.error("failpoint prefill.placeholder_on_reject fired: %s replaced by a 1-token prompt", rid)
             self.engine.add_request(rid, prompt[:1], first_only, keep_kv_on_finish=True)
         self.decode_endpoints[rid] = b["decode_endpoint"]
 
