@@ -53,9 +53,11 @@ class PageAllocator:
         return pages, epochs
 
     def free(self, pages: list[int]) -> None:
+        # Check every page before changing any: a refused free must not release half its pages.
+        if len(set(pages)) < len(pages) or not all(self._allocated[p] for p in pages):
+            bad = sorted({p for p in pages if not self._allocated[p] or pages.count(p) > 1})
+            raise RuntimeError(f"pages {bad} freed twice or never allocated")
         for p in pages:
-            if not self._allocated[p]:
-                raise RuntimeError(f"page {p} freed twice or never allocated")
             self._allocated[p] = False
         if self.scrub_freed_pages:
             self.pool.scrub(pages)

@@ -1,0 +1,396 @@
+"""Property tests of the KV pool, the page allocator and the read guard, and engine-level checks
+that every page's writer/epoch/fill stays right through prefill chunks, decodes, preemption,
+errors and aborts, and that every page comes back.
+"""
+from __future__ import annotations
+
+import math
+
+import pytest
+import torch
+from hypothesis import HealthCheck, assume, given, settings, strategies as st
+from hypothesis.stateful import RuleBasedStateMachine, initialize, invariant, precondition, rule
+
+from isoserve import LLM, SamplingParams
+from isoserve.engine.sequence import Status
+from isoserve.errors import ContextLengthExceeded, KVIsolationViolation
+from isoserve.kv.allocator import OutOfPages, PageAllocator
+from isoserve.kv.guard import ReadCheck, check_reads
+from isoserve.kv.pool import UNWRITTEN, KVPool
+from isoserve.model.config import ModelConfig
+
+# A hand-made model shape: two layers, GQA-like (2 query heads, 1 KV head), tiny head_dim.
+CONFIG = ModelConfig(architecture="llama", vocab_size=64, hidden_size=16, intermediate_size=32,
+                     num_layers=2, num_heads=2, num_kv_heads=1, head_dim=4, rms_norm_eps=1e-5,
+                     rope_theta=10000.0, max_position_embeddings=256, tie_word_embeddings=True)
+
+
+# ---- pool + allocator: a stateful model ----------------------------------------------------
+
+class PoolMachine(RuleBasedStateMachine):
+    """Owners take, grow, write and release pages; a plain-Python model says what must hold."""
+
+    @initialize(num_pages=st.integers(1, 12), page_size=st.integers(1, 6))
+    def setup(self, num_pages, page_size):
+        self.pool = KVPool(CONFIG, num_pages, page_size, torch.float32)
+        self.alloc = PageAllocator(self.pool)
+        self.owners: dict[int, list[int]] = {}     # live owner tag -> pages it holds
+        self.epoch_of: dict[int, int] = {}         # held page -> epoch it got at allocation
+        self.written: dict[int, tuple[int, int]] = {}  # held page -> (writer, filled)
+        self.seen_epochs: set[int] = set()
+        self.last_epoch = [0] * num_pages
+        self.released: list[list[int]] = []        # page lists already given back
+        self.next_tag = 1
+
+    # -- rules
+    @rule(n=st.integers(1, 5))
+    def allocate(self, n):
+        tag, self.next_tag = self.next_tag, self.next_tag + 1
+        if self._take(n):
+            self.owners[tag] = self._last_pages
+
+    @precondition(lambda self: self.owners)
+    @rule(data=st.data(), n=st.integers(1, 3))
+    def grow(self, data, n):
+        tag = data.draw(st.sampled_from(sorted(self.owners)))
+        if self._take(n):
+            self.owners[tag] += self._last_pages
+
+    def _take(self, n) -> bool:
+        free_before = self.alloc.num_free
+        if n > free_before:
+            with pytest.raises(OutOfPages):
+                self.alloc.allocate(n)
+            assert self.alloc.num_free == free_before
+            return False
+        pages, epochs = self.alloc.allocate(n)
+        assert len(pages) == len(set(pages)) == len(epochs) == n
+        assert not any(p in self.epoch_of for p in pages), "a page went to two live owners"
+        # Fresh epochs: never seen before, and larger than every earlier epoch of that page.
+        assert not self.seen_epochs & set(epochs) and len(set(epochs)) == n
+        for p, e in zip(pages, epochs):
+            assert e > self.last_epoch[p]
+            self.last_epoch[p] = e
+            self.epoch_of[p] = e
+            self.written[p] = (UNWRITTEN, 0)
+            assert int(self.pool.writer[p]) == UNWRITTEN and int(self.pool.filled[p]) == 0
+        self.seen_epochs |= set(epochs)
+        self._last_pages = pages
+        return True
+
+    @precondition(lambda self: self.owners)
+    @rule(data=st.data())
+    def write(self, data):
+        """Some owners append KV to some of their pages, stamped in one call as the runner does."""
+        size = self.pool.page_size
+        tags = data.draw(st.lists(st.sampled_from(sorted(self.owners)), min_size=1, unique=True))
+        pages, writers, ends = [], [], []
+        for tag in tags:
+            page = data.draw(st.sampled_from(self.owners[tag]))
+            writer, filled = self.written[page]
+            start = filled if writer == tag else 0  # the first write of a page starts at slot 0
+            if start == size:
+                continue
+            end = data.draw(st.integers(start + 1, size))
+            kept = self.pool.read_page(page, start)  # [layers, 2, kv_heads, start, head_dim]
+            new = torch.empty(*kept.shape[:3], end - start, kept.shape[4])
+            new[:, 0], new[:, 1] = float(tag), -float(tag)  # K and V of this writer
+            self.pool.write_page(page, torch.cat([kept, new], dim=3))
+            pages.append(page), writers.append(tag), ends.append(end)
+            self.written[page] = (tag, end)
+        if pages:
+            self.pool.stamp_writes(torch.tensor(pages), torch.tensor(writers), torch.tensor(ends))
+
+    @precondition(lambda self: self.owners)
+    @rule(data=st.data())
+    def release(self, data):
+        tag = data.draw(st.sampled_from(sorted(self.owners)))
+        pages = self.owners.pop(tag)
+        free_before = self.alloc.num_free
+        self.alloc.free(pages)
+        assert self.alloc.num_free == free_before + len(pages)  # exactly the pages it held
+        assert not any(self.alloc.is_allocated(p) for p in pages)
+        for p in pages:
+            del self.epoch_of[p], self.written[p]
+        self.released.append(pages)
+
+    @precondition(lambda self: self.released)
+    @rule(data=st.data())
+    def release_again(self, data):
+        """Freeing pages twice is refused, and a refused free changes nothing, even when the
+        list also names pages that are legitimately held."""
+        stale = data.draw(st.sampled_from(self.released))
+        stale_free = [p for p in stale if not self.alloc.is_allocated(p)]
+        if not stale_free:
+            return  # every page of that list has a new owner: not a double free any more
+        live = [p for pages in self.owners.values() for p in pages]
+        extra = data.draw(st.lists(st.sampled_from(live), unique=True)) if live else []
+        bad = data.draw(st.permutations(extra + stale_free[:1]))
+        free_before = self.alloc.num_free
+        with pytest.raises(RuntimeError):
+            self.alloc.free(list(bad))
+        assert self.alloc.num_free == free_before
+        assert all(self.alloc.is_allocated(p) for p in live)
+
+    @precondition(lambda self: self.owners)
+    @rule(data=st.data())
+    def release_listing_a_page_twice(self, data):
+        tag = data.draw(st.sampled_from(sorted(self.owners)))
+        pages = self.owners[tag]
+        twice = data.draw(st.permutations(pages + [data.draw(st.sampled_from(pages))]))
+        free_before = self.alloc.num_free
+        with pytest.raises(RuntimeError):
+            self.alloc.free(list(twice))
+        assert self.alloc.num_free == free_before
+        assert all(self.alloc.is_allocated(p) for p in pages)
+
+    # -- invariants
+    @invariant()
+    def owners_are_disjoint_and_account_for_every_page(self):
+        held = [p for pages in self.owners.values() for p in pages]
+        assert len(held) == len(set(held))
+        allocated = {p for p in range(self.pool.num_pages) if self.alloc.is_allocated(p)}
+        assert allocated == set(held)
+        assert self.alloc.num_free == self.pool.num_pages - len(held)
+        assert self.alloc.num_used == len(held)
+
+    @invariant()
+    def held_pages_carry_their_epoch_writer_and_fill(self):
+        for p, epoch in self.epoch_of.items():
+            writer, filled = self.written[p]
+            assert int(self.pool.epoch[p]) == epoch
+            assert (int(self.pool.writer[p]), int(self.pool.filled[p])) == (writer, filled)
+            if filled:  # the slots counted as written hold that writer's KV, in every layer
+                kv = self.pool.read_page(p, filled)
+                assert kv.shape[3] == filled
+                assert torch.all(kv[:, 0] == float(writer)) and torch.all(kv[:, 1] == -float(writer))
+
+
+TestPoolMachine = PoolMachine.TestCase
+TestPoolMachine.settings = settings(max_examples=80, stateful_step_count=30, deadline=None)
+
+
+@given(page_size=st.integers(1, 64), tokens=st.integers(1, 10_000))
+def test_pool_capacity_is_whole_pages_read_from_the_tensor(page_size, tokens):
+    num_pages = KVPool.pages_for(CONFIG, page_size, torch.float32, kv_tokens=tokens)
+    assert num_pages == math.ceil(tokens / page_size)
+    pool = KVPool(CONFIG, num_pages, page_size, torch.float32, "meta")
+    assert pool.capacity_tokens == num_pages * page_size >= tokens
+    assert pool.nbytes == num_pages * KVPool.page_bytes(CONFIG, page_size, torch.float32)
+
+
+# ---- the read guard ------------------------------------------------------------------------
+
+@st.composite
+def guarded_batch(draw):
+    """Sequences that each wrote a prefix of their own pages and read part of it."""
+    page_size = draw(st.integers(1, 6))
+    specs = []
+    for _ in range(draw(st.integers(1, 4))):
+        written = draw(st.integers(0, 20))
+        read = draw(st.integers(0, written))
+        extra = draw(st.integers(0 if written else 1, 2))  # pages allocated for writes to come
+        specs.append((written, read, -(-written // page_size) + extra))
+    return page_size, specs
+
+
+def _build(page_size, specs, chunking: st.DataObject):
+    pool = KVPool(CONFIG, sum(n for _, _, n in specs), page_size, torch.float32)
+    alloc = PageAllocator(pool)
+    # A stale owner of every page first: the new owners must never pass on its writes.
+    stale, _ = alloc.allocate(pool.num_pages)
+    pool.stamp_writes(torch.tensor(stale), torch.full((len(stale),), 999), torch.full((len(stale),), page_size))
+    alloc.free(stale)
+    rows = []
+    for i, (written, read, n) in enumerate(specs):
+        pages, epochs = alloc.allocate(n)
+        tag = 10 + i
+        done = 0
+        while done < written:  # append the prefix in chunks, stamping like the runner
+            end = chunking.draw(st.integers(done + 1, written))
+            touched = range(done // page_size, (end - 1) // page_size + 1)
+            pool.stamp_writes(torch.tensor([pages[j] for j in touched]), torch.full((len(touched),), tag),
+                              torch.tensor([min(page_size, end - j * page_size) for j in touched]))
+            done = end
+        rows.append((tag, pages, epochs, read))
+    width = max(len(r[1]) for r in rows)
+    table = torch.zeros(len(rows), width, dtype=torch.int64)  # padding is page 0, a real page
+    epochs = torch.zeros(len(rows), width, dtype=torch.int64)
+    valid = torch.zeros(len(rows), width, dtype=torch.bool)
+    for i, (_, pages, eps, _) in enumerate(rows):
+        table[i, :len(pages)] = torch.tensor(pages)
+        epochs[i, :len(pages)] = torch.tensor(eps)
+        valid[i, :len(pages)] = True
+    check = ReadCheck(tags=torch.tensor([r[0] for r in rows]), page_table=table, page_valid=valid,
+                      epochs=epochs, read_before=torch.tensor([r[3] for r in rows]))
+    return pool, check
+
+
+@settings(max_examples=300, deadline=None)
+@given(batch=guarded_batch(), data=st.data())
+def test_guard_passes_sequences_reading_their_own_writes(batch, data):
+    pool, check = _build(*batch, data)
+    assert check_reads(pool, check) == []
+
+
+@settings(max_examples=400, deadline=None)
+@given(batch=guarded_batch(), data=st.data(),
+       kind=st.sampled_from(["writer", "pool_epoch", "expected_epoch", "filled", "overread"]))
+def test_guard_fails_exactly_the_row_whose_read_changed(batch, data, kind):
+    page_size, specs = batch
+    pool, check = _build(page_size, specs, data)
+    needed = lambda row, col: max(0, min(page_size, int(check.read_before[row]) - col * page_size))
+    valid_cells = [(r, c) for r in range(len(specs)) for c in range(len(check.page_table[r]))
+                   if check.page_valid[r, c]]
+    if kind in ("writer", "filled"):
+        cells = [(r, c) for r, c in valid_cells if needed(r, c) > 0]
+    elif kind == "overread":  # read one slot or more past what the row wrote, within its pages
+        cells = [(r, 0) for r, (w, _, n) in enumerate(specs) if w < n * page_size]
+    else:
+        cells = valid_cells
+    assume(cells)
+    row, col = data.draw(st.sampled_from(cells))
+    page = int(check.page_table[row, col])
+    tag = int(check.tags[row])
+    if kind == "writer":
+        others = [int(t) for t in check.tags if int(t) != tag] + [UNWRITTEN, 999]
+        pool.writer[page] = data.draw(st.sampled_from(others))
+    elif kind == "pool_epoch":  # the page was released and allocated again since
+        pool.epoch[page] += data.draw(st.integers(1, 5))
+    elif kind == "expected_epoch":
+        check.epochs[row, col] += data.draw(st.sampled_from([-1, 1, 7]))
+    elif kind == "filled":
+        pool.filled[page] = data.draw(st.integers(0, needed(row, col) - 1))
+    else:
+        written, _, n = specs[row]
+        check.read_before[row] = data.draw(st.integers(written + 1, n * page_size))
+        page = None
+    violations = check_reads(pool, check)
+    assert [v.row for v in violations] == [row]
+    v = violations[0]
+    assert v.expected_tag == tag
+    if page is not None:
+        assert v.pages == [page]
+    else:
+        assert v.pages and all(p in check.page_table[row].tolist() for p in v.pages)
+
+
+# ---- the engine keeps page metadata right and returns every page ----------------------------
+
+TINY_POOL = dict(kv_tokens=64, page_size=4, max_batched_tokens=16, max_num_seqs=4)
+
+
+@pytest.fixture(scope="module")
+def tiny_llm(tiny_llama_dir):
+    return LLM(str(tiny_llama_dir), dtype="float32", **TINY_POOL)
+
+
+def _assert_page_metadata(engine) -> None:
+    """Every running sequence's pages: its epochs, its writer over exactly its computed tokens,
+    UNWRITTEN beyond; no page shared; waiting sequences hold nothing."""
+    pool, size = engine.pool, engine.pool.page_size
+    held = []
+    for seq in engine.scheduler.running:
+        assert len(seq.pages) == len(seq.page_epochs) >= -(-seq.num_computed // size)
+        for j, (page, epoch) in enumerate(zip(seq.pages, seq.page_epochs)):
+            filled = max(0, min(size, seq.num_computed - j * size))
+            assert engine.allocator.is_allocated(page) and int(pool.epoch[page]) == epoch
+            assert int(pool.filled[page]) == filled
+            assert int(pool.writer[page]) == (seq.tag if filled else UNWRITTEN)
+        held += seq.pages
+    for seq in engine.scheduler.waiting:
+        assert seq.pages == [] and seq.num_computed == 0
+    assert len(held) == len(set(held)) == engine.allocator.num_used
+
+
+def _assert_idle(engine) -> None:
+    assert engine.allocator.num_free == engine.pool.num_pages
+    assert not engine.requests and not engine.scheduler.has_work()
+
+
+@settings(max_examples=15, deadline=None, suppress_health_check=[HealthCheck.function_scoped_fixture])
+@given(requests=st.lists(st.tuples(st.integers(1, 60), st.integers(1, 24), st.integers(0, 6)),
+                         min_size=1, max_size=6),
+       seed=st.integers(0, 2**16))
+def test_engine_page_metadata_is_right_after_every_step(tiny_llm, requests, seed):
+    engine = tiny_llm.engine
+    limit_of = engine.prompt_limit
+    gen = torch.Generator().manual_seed(seed)
+    arrivals = sorted(((at, i, n, m) for i, (n, m, at) in enumerate(requests)), key=lambda r: r[0])
+    step = 0
+    unfinished: dict[str, int] = {}  # request id -> max_tokens
+    while arrivals or engine.has_work():
+        while arrivals and arrivals[0][0] <= step:
+            _, i, n, m = arrivals.pop(0)
+            rid = f"prop-{i}"
+            ids = torch.randint(0, engine.model_config.vocab_size, (n,), generator=gen).tolist()
+            params = SamplingParams(max_tokens=m, temperature=0, ignore_eos=True)
+            if n > limit_of(m):  # prompt + max_tokens over the 64-token pool
+                with pytest.raises(ContextLengthExceeded):
+                    engine.add_request(rid, ids, params)
+                continue
+            engine.add_request(rid, ids, params)
+            unfinished[rid] = m
+        for out in engine.step():
+            if out.finished:
+                assert out.error is None and out.finish_reason == "length"
+                assert out.num_output_tokens == unfinished.pop(out.request_id)
+        _assert_page_metadata(engine)
+        step += 1
+    assert not unfinished
+    _assert_idle(engine)
+
+
+def test_no_page_leaks_after_batches_preemption_and_errors(tiny_llm):
+    engine = tiny_llm.engine
+    prompts = [[(7 * i + j) % 1000 + 3 for j in range(10 + 5 * i)] for i in range(6)]
+    greedy = SamplingParams(max_tokens=20, temperature=0, ignore_eos=True)
+    before = engine.scheduler.num_preemptions
+    first = tiny_llm.generate(prompts, greedy)
+    assert engine.scheduler.num_preemptions > before, "the 64-token pool was meant to preempt"
+    _assert_idle(engine)
+    # Preemption recomputes: the same tokens as each request alone.
+    assert [r.token_ids for r in first] == [tiny_llm.generate([p], greedy)[0].token_ids for p in prompts]
+    _assert_idle(engine)
+    # A batch refused because one prompt can never fit: the others were queued and are gone.
+    with pytest.raises(ContextLengthExceeded):
+        tiny_llm.generate(prompts[:3] + [list(range(3, 70))] + prompts[3:], greedy)
+    _assert_idle(engine)
+    # Sampled requests with stop conditions, mixed with greedy ones.
+    sampled = SamplingParams(max_tokens=12, temperature=0.9, top_p=0.9, seed=3, stop=["e"])
+    tiny_llm.generate(prompts, [sampled, greedy] * 3)
+    _assert_idle(engine)
+
+
+def test_abort_and_guard_violation_end_only_their_request_and_return_pages(tiny_llm):
+    engine = tiny_llm.engine
+    greedy = SamplingParams(max_tokens=10, temperature=0, ignore_eos=True)
+    prompts = {name: [(31 * k + 5 * j) % 900 + 3 for j in range(9)] for k, name in enumerate("abc")}
+    alone = {name: tiny_llm.generate([ids], greedy)[0].token_ids for name, ids in prompts.items()}
+    seqs = {name: engine.add_request(f"g-{name}", ids, greedy) for name, ids in prompts.items()}
+    outputs: dict[str, list] = {name: [] for name in prompts}
+
+    def run_step():
+        for out in engine.step():
+            outputs[out.request_id[2:]].append(out)
+        _assert_page_metadata(engine)
+
+    while not all(s.status is Status.RUNNING and s.num_computed > 0 for s in seqs.values()):
+        run_step()
+    violations = engine.stats.counters["guard_violations"]
+    # KV that "a" has already computed now looks written by "b" (stale KV from another request).
+    page = seqs["a"].pages[0]
+    engine.pool.writer[page] = seqs["b"].tag
+    assert engine.abort("g-c")
+    run_step()
+    assert seqs["a"].finished and isinstance(seqs["a"].error, KVIsolationViolation)
+    assert str(page) in seqs["a"].error.message
+    assert engine.stats.counters["guard_violations"] == violations + 1
+    assert seqs["c"].finished and seqs["c"].finish_reason == "abort"
+    while engine.has_work():
+        run_step()
+    assert outputs["a"][-1].finished and outputs["a"][-1].finish_reason == "error"
+    assert outputs["c"][-1].finish_reason == "abort"
+    b_tokens = [t for out in outputs["b"] for t in out.new_token_ids]
+    assert b_tokens == alone["b"] and outputs["b"][-1].finish_reason == "length"
+    _assert_idle(engine)
