@@ -43,10 +43,10 @@ def child_env(**extra: str) -> dict:
     return env
 
 
-def add_tenant(tenants: Path, name: str) -> str:
+def add_tenant(tenants: Path, name: str, admin: bool = False) -> str:
     """A new tenant's key: the last word of `isoserve tenants add`'s last line."""
-    out = subprocess.run(isoserve_cmd("tenants", "add", name, "--tenants", str(tenants)),
-                         check=True, capture_output=True, text=True, env=child_env()).stdout
+    cmd = isoserve_cmd("tenants", "add", name, "--tenants", str(tenants)) + (["--admin"] if admin else [])
+    out = subprocess.run(cmd, check=True, capture_output=True, text=True, env=child_env()).stdout
     return out.strip().splitlines()[-1].split()[-1]
 
 
@@ -57,8 +57,11 @@ class LocalServer:
     command: list[str]
     log_path: Path
 
+    def log(self) -> str:
+        return self.log_path.read_text(errors="replace")
+
     def log_tail(self, chars: int = 4000) -> str:
-        return self.log_path.read_text(errors="replace")[-chars:]
+        return self.log()[-chars:]
 
     def metrics(self) -> str:
         return httpx.get(self.base_url + "/metrics", timeout=30).text
