@@ -130,6 +130,10 @@ def write_transfer(manifest: Manifest, frames: list, seq: Sequence, pool: KVPool
         ends.append(rec.filled)
         written += len(frame)
     if pages and not failpoints.fire("decode.skip_tag_stamp"):
+        if failpoints.fire("decode.stamp_whole_prompt"):  # "complete" taken to mean every page
+            n = len(seq.prompt_token_ids)
+            pages = seq.pages[:-(-n // pool.page_size)]
+            ends = [min(pool.page_size, n - j * pool.page_size) for j in range(len(pages))]
         pool.stamp_writes(torch.tensor(pages), torch.full((len(pages),), seq.tag, dtype=torch.int64),
                           torch.tensor(ends))
     return written
@@ -159,7 +163,7 @@ def apply_transfer_faults(manifest: Manifest, frames: list) -> list[tuple[Manife
         frames.reverse()
     if fp.fire("transfer.corrupt_bytes") and frames:
         bad = bytearray(memoryview(frames[0]).cast("B"))
-        for i in range(0, len(bad), max(1, len(bad) // 64)):
+        for i in range(0, len(bad), max(1, len(bad) // 64) | 1):  # odd: every byte of an element, exponents too
             bad[i] ^= 0x5A
         frames[0] = bad
     manifest = Manifest(**{**manifest.__dict__, "pages": records})

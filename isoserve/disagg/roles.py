@@ -9,12 +9,11 @@ from abc import ABC, abstractmethod
 from collections import deque
 from typing import TYPE_CHECKING
 
-import zmq
-
 from isoserve.admission import effective_prompt_limit
 from isoserve import failpoints
 from isoserve.disagg.manifest import (Manifest, TransferRejected, apply_transfer_faults,
                                       build_manifest, verify_transfer, write_transfer)
+from isoserve.disagg.transport import ZmqKVReceiver, ZmqKVSender
 from isoserve.engine.sampling_params import SamplingParams
 from isoserve.engine.sequence import Status, TokenLogprob
 from isoserve.errors import (ContextLengthExceeded, IsoserveError, KVIsolationViolation,
@@ -81,8 +80,8 @@ class PrefillRole(Role):
     def __init__(self, worker):
         super().__init__(worker)
         self.decode_endpoints: dict[str, str] = {}     # request -> decode worker's KV endpoint
-        self.peers: dict[str, zmq.Socket] = {}          # endpoint -> connected socket
-        self.in_flight: dict[str, list[zmq.MessageTracker]] = {}  # sends still using our pages
+        self.sender = ZmqKVSender(worker.ctx)
+        self.in_flight: dict[str, list] = {}  # request -> its sends still using our pages
 
     def prompt_limit(self, max_tokens: int) -> int:
         return effective_prompt_limit(self.engine.context_length, [self.engine.capacity_tokens], [],
@@ -127,20 +126,10 @@ class PrefillRole(Role):
         if failpoints.fire("prefill.crash_mid_transfer"):
             log.error("FAILPOINT prefill.crash_mid_transfer: exiting while sending %s", rid)
             os._exit(70)
-        sock = self._peer(endpoint)
-        self.in_flight[rid] = [sock.send_multipart(self.worker.signer.pack("kv", m.to_wire(), f),
-                                                   copy=False, track=True)
+        self.in_flight[rid] = [self.sender.send(endpoint, self.worker.signer.pack("kv", m.to_wire(), f))
                                for m, f in apply_transfer_faults(manifest, frames)]
         self.worker.count("transfers_sent")
         self.worker.count("transfer_bytes_sent", sum(len(f) for f in frames))
-
-    def _peer(self, endpoint: str) -> zmq.Socket:
-        if endpoint not in self.peers:
-            sock = self.worker.ctx.socket(zmq.DEALER)
-            sock.setsockopt(zmq.LINGER, 0)
-            sock.connect(endpoint)
-            self.peers[endpoint] = sock
-        return self.peers[endpoint]
 
     def abort(self, request_id: str) -> None:
         self.decode_endpoints.pop(request_id, None)
@@ -155,8 +144,7 @@ class PrefillRole(Role):
             self.engine.release(rid)
 
     def close(self) -> None:
-        for sock in self.peers.values():
-            sock.close(0)
+        self.sender.close()
 
 
 class DecodeRole(Role):
@@ -165,10 +153,7 @@ class DecodeRole(Role):
 
     def __init__(self, worker):
         super().__init__(worker)
-        self.kv_socket = worker.ctx.socket(zmq.ROUTER)
-        self.kv_socket.setsockopt(zmq.LINGER, 0)
-        self.kv_socket.bind(worker.opts.kv_endpoint)
-        worker.poller.register(self.kv_socket, zmq.POLLIN)
+        self.receiver = ZmqKVReceiver(worker.ctx, worker.opts.kv_endpoint, worker.poller)
         self.waiting_for_pages: deque[dict] = deque()
         self.deadlines: dict[str, float] = {}
         guards = worker.opts.disabled_guards
@@ -215,13 +200,8 @@ class DecodeRole(Role):
             self.worker.send_router("reserved", {"request_id": b["request_id"]})
 
     def poll_extra(self, events) -> None:
-        if self.kv_socket in events:
-            while True:
-                try:
-                    frames = self.kv_socket.recv_multipart(zmq.NOBLOCK, copy=False)
-                except zmq.Again:
-                    break
-                self._on_transfer_frames(frames[1:])  # frame 0: the sender's routing id
+        for frames in self.receiver.receive(events):
+            self._on_transfer_frames(frames)
 
     def _on_transfer_frames(self, frames) -> None:
         msg = self.worker.authenticate(frames, "kv")
@@ -279,9 +259,22 @@ class DecodeRole(Role):
             error = KVTransferIncomplete(f"no complete and valid KV transfer for {rid} within "
                                          f"{self.worker.opts.transfer_timeout_s:.0f} s")
             if rid in self.engine.requests:
+                if failpoints.fire("decode.decode_on_deadline") and self._decode_anyway(rid):
+                    continue
                 self.engine.fail(rid, error)
             else:  # still waiting for pages: the engine never saw it
                 self.worker.send_error(rid, error)
 
+    def _decode_anyway(self, rid: str) -> bool:
+        """FAILPOINT decode.decode_on_deadline: stop waiting for the KV and decode over the
+        reserved pages (the last prompt token is computed here, over whatever they hold)."""
+        seq = self.engine.requests[rid]
+        if seq.status is not Status.AWAITING_KV:
+            return False
+        log.error("FAILPOINT decode.decode_on_deadline: decoding %s over pages no transfer filled", rid)
+        seq.num_computed = len(seq.prompt_token_ids) - 1
+        self.engine.scheduler.add_running(seq)
+        return True
+
     def close(self) -> None:
-        self.kv_socket.close(0)
+        self.receiver.close()
