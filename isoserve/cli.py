@@ -94,6 +94,11 @@ def build_parser() -> argparse.ArgumentParser:
     add.add_argument("--tenants", required=True, help="tenants file (TOML)")
     add.add_argument("--admin", action="store_true", help="may read /status")
 
+    from isoserve.probe.main import add_arguments as add_probe_arguments
+    probe = sub.add_parser("probe", help="black-box leak probe of an OpenAI-compatible server "
+                                         "(exit 0: no findings, 1: findings, 2: could not run)")
+    add_probe_arguments(probe)
+
     from isoserve.bench.main import add_arguments as add_bench_arguments
     bench = sub.add_parser("bench", help="benchmark an OpenAI-compatible server, or the offline engine")
     add_bench_arguments(bench)
@@ -120,6 +125,9 @@ def main(argv: list[str] | None = None) -> int:
         key = add_tenant(args.tenants, args.name, admin=args.admin)
         print(f"added tenant {args.name!r} to {args.tenants}; its API key (shown only now): {key}")
         return 0
+    if args.command == "probe":
+        from isoserve.probe.main import run as run_probe
+        return run_probe(args)
     if args.command == "bench":
         from isoserve.bench.main import run as run_bench
         return run_bench(args)

@@ -24,6 +24,8 @@ KNOWN = {
     "transfer.corrupt_bytes": "flip bytes of one page after its checksum was taken",
     "transfer.delay_ms": "wait this many milliseconds before sending a transfer",
     "decode.skip_tag_stamp": "write received KV without stamping the writer tag",
+    "decode.stamp_whole_prompt": "stamp every prompt page as written by a transfer, whatever it carried",
+    "decode.decode_on_deadline": "when a request's KV misses its deadline, decode over its pages anyway",
     "allocator.skip_epoch_bump": "allocate pages without giving them a fresh epoch",
     "allocator.skip_tag_reset": "allocate pages without resetting writer and filled slots",
     "prefill.crash_mid_transfer": "exit the prefill process while a transfer is being sent",

@@ -39,7 +39,8 @@ def sample(logits: torch.Tensor, seqs: list[Sequence]) -> tuple[list[int], list[
     for row, seq in enumerate(seqs):
         p = seq.params
         if not p.greedy:
-            probs = _filtered_probs(logits[row], p.temperature, p.top_k, p.top_p)
+            # On the CPU: a seeded torch.Generator lives there, and only these rows need it.
+            probs = _filtered_probs(logits[row].cpu(), p.temperature, p.top_k, p.top_p)
             tokens[row] = torch.multinomial(probs, 1, generator=_row_generator(seq))[0]
     token_list = tokens.tolist()
     want = [s.params.logprobs is not None for s in seqs]
