@@ -257,7 +257,7 @@ class DecodeRole(Role):
             self.waiting_for_pages = deque(b for b in self.waiting_for_pages if b["request_id"] != rid)
             self.worker.count("transfer_deadlines_missed")
             error = KVTransferIncomplete(f"no complete and valid KV transfer for {rid} within "
-                                         f"{self.worker.opts.transfer_timeout_s:.0f} s")
+                                         f"{self.worker.opts.transfer_timeout_s:g} s")
             if rid in self.engine.requests:
                 if failpoints.fire("decode.decode_on_deadline") and self._decode_anyway(rid):
                     continue

@@ -109,7 +109,9 @@ class Router:
 
     # ---- the one limit ------------------------------------------------------------------
     def _pools(self, role: str) -> list[int]:
-        return [w.pool_tokens for w in self.workers.values() if w.role == role and w.state == "up"]
+        # Every audited worker counts, up or down: the limit must not rise while a worker with
+        # a small pool is away (it may come back, and requests queued for it would not fit).
+        return [w.pool_tokens for w in self.workers.values() if w.role == role and w.state != "refused"]
 
     def prompt_limit(self, max_tokens: int) -> int:
         if "capacity_audit" in self.settings.disabled_guards:
