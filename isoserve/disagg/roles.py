@@ -114,6 +114,8 @@ class PrefillRole(Role):
                 self.worker.send_outputs([out])
             elif out.finish_reason != "abort" and endpoint is not None:
                 self._send_kv(out.request_id, endpoint)
+            elif out.finished:
+                self.engine.release(out.request_id)  # nobody to send to: never hold the pages
 
     def _send_kv(self, rid: str, endpoint: str) -> None:
         seq = self.engine.requests[rid]
