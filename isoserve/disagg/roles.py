@@ -119,6 +119,13 @@ class PrefillRole(Role):
 
     def _send_kv(self, rid: str, endpoint: str) -> None:
         seq = self.engine.requests[rid]
+        # Sending KV reads it: the same read guard as a forward step, over the whole prompt.
+        violation = self.engine.check_owned(seq, seq.num_computed)
+        if violation is not None:
+            self.engine.release(rid)
+            self.worker.send_error(rid, KVIsolationViolation(
+                f"request {rid} would send KV it does not own ({violation.describe()})"))
+            return
         lp = seq.logprobs[0]
         first_lp = None if lp is None else {"logprob": lp.logprob, "top": lp.top}
         delay_ms = failpoints.FAILPOINTS.value("transfer.delay_ms")
