@@ -163,7 +163,7 @@ class DecodeRole(Role):
     def __init__(self, worker):
         super().__init__(worker)
         self.receiver = ZmqKVReceiver(worker.ctx, worker.opts.kv_endpoint, worker.poller)
-        self.waiting_for_pages: deque[dict] = deque()
+        self.waiting_for_pages: deque[tuple[str, list[int], SamplingParams]] = deque()
         self.deadlines: dict[str, float] = {}
         guards = worker.opts.disabled_guards
         self.check_coverage = "transfer_coverage" not in guards
@@ -184,29 +184,29 @@ class DecodeRole(Role):
         if msg.kind != "reserve":
             return super().handle(msg)
         b = msg.body
-        self.worker.admit(len(b["prompt_token_ids"]), b["params"]["max_tokens"])
-        SamplingParams(**b["params"])  # validate before holding anything
+        params = SamplingParams(**b["params"])  # validated before anything is held
+        self.worker.admit(len(b["prompt_token_ids"]), params.max_tokens)
         self.deadlines[b["request_id"]] = time.monotonic() + self.worker.opts.transfer_timeout_s
-        self.waiting_for_pages.append(b)
+        self.waiting_for_pages.append((b["request_id"], b["prompt_token_ids"], params))
         self._reserve_waiting()
 
     def _reserve_waiting(self) -> None:
         while self.waiting_for_pages:
-            b = self.waiting_for_pages[0]
+            rid, prompt, params = self.waiting_for_pages[0]
             try:
-                self.engine.reserve(b["request_id"], b["prompt_token_ids"], SamplingParams(**b["params"]))
+                self.engine.reserve(rid, prompt, params)
             except OutOfPages:
                 return  # first come, first served: wait for pages to come back
             except IsoserveError as e:
                 # The engine's own checks (vocabulary, "cannot fit") end the request here; left
                 # at the head of the queue it would be retried, and raise, at every loop.
                 self.waiting_for_pages.popleft()
-                self.deadlines.pop(b["request_id"], None)
-                log.info("request %s rejected by worker %s: %s", b["request_id"], self.worker.id, e.message)
-                self.worker.send_error(b["request_id"], e)
+                self.deadlines.pop(rid, None)
+                log.info("request %s rejected by worker %s: %s", rid, self.worker.id, e.message)
+                self.worker.send_error(rid, e)
                 continue
             self.waiting_for_pages.popleft()
-            self.worker.send_router("reserved", {"request_id": b["request_id"]})
+            self.worker.send_router("reserved", {"request_id": rid})
 
     def poll_extra(self, events) -> None:
         for frames in self.receiver.receive(events):
@@ -255,7 +255,7 @@ class DecodeRole(Role):
 
     def abort(self, request_id: str) -> None:
         self.deadlines.pop(request_id, None)
-        self.waiting_for_pages = deque(b for b in self.waiting_for_pages if b["request_id"] != request_id)
+        self._drop_waiting(request_id)
         self.engine.abort(request_id)  # pages back at once: epochs fence a late transfer
 
     def housekeeping(self) -> None:
@@ -263,7 +263,7 @@ class DecodeRole(Role):
         now = time.monotonic()
         for rid in [r for r, d in self.deadlines.items() if d < now]:
             del self.deadlines[rid]
-            self.waiting_for_pages = deque(b for b in self.waiting_for_pages if b["request_id"] != rid)
+            self._drop_waiting(rid)
             self.worker.count("transfer_deadlines_missed")
             error = KVTransferIncomplete(f"no complete and valid KV transfer for {rid} within "
                                          f"{self.worker.opts.transfer_timeout_s:g} s")
@@ -284,6 +284,9 @@ class DecodeRole(Role):
         seq.num_computed = len(seq.prompt_token_ids) - 1
         self.engine.scheduler.add_running(seq)
         return True
+
+    def _drop_waiting(self, request_id: str) -> None:
+        self.waiting_for_pages = deque(w for w in self.waiting_for_pages if w[0] != request_id)
 
     def close(self) -> None:
         self.receiver.close()

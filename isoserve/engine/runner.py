@@ -45,7 +45,7 @@ class ModelRunner:
         logits = self.model.forward(inputs["token_ids"], inputs["positions"], inputs["attn"],
                                     self.pool, inputs["logits_rows"])
         self._stamp(chunks)
-        samplers = [c.seq for c in chunks if c.seq.num_computed + c.num_tokens == c.seq.num_tokens]
+        samplers = inputs["samplers"]
         for c in chunks:
             c.seq.num_computed += c.num_tokens
         tokens, logprobs = sample(logits, samplers) if samplers else ([], [])
@@ -85,7 +85,7 @@ class ModelRunner:
 
     def _build_inputs(self, chunks: list[ScheduledChunk]) -> dict:
         size = self.pool.page_size
-        token_ids, positions, logits_rows = [], [], []
+        token_ids, positions, write_slots, logits_rows, samplers = [], [], [], [], []
         decode_rows, decode_tables, decode_lens, prefills = [], [], [], []
         for c in chunks:
             s, n = c.seq, c.num_tokens
@@ -93,6 +93,7 @@ class ModelRunner:
             start = s.num_computed
             token_ids += s.token_ids_slice(start, start + n)
             positions += range(start, start + n)
+            write_slots += (s.pages[p // size] * size + p % size for p in range(start, start + n))
             ctx = start + n
             used_pages = s.pages[: -(-ctx // size)]
             if n == 1:
@@ -101,25 +102,18 @@ class ModelRunner:
                 decode_lens.append(ctx)
             else:
                 prefills.append(PrefillChunk(row, n, ctx, torch.tensor(used_pages, device=self.device)))
-            if ctx == s.num_tokens:
+            if ctx == s.num_tokens:  # the chunk reaches the last token: sample after it
                 logits_rows.append(row + n - 1)
+                samplers.append(s)
         pos = torch.tensor(positions, dtype=torch.int64)
         decode_pages, decode_bias = self._decode_tables(decode_tables, decode_lens)
-        attn = StepAttention(write_slots=self._write_slots(chunks).to(self.device),
+        attn = StepAttention(write_slots=torch.tensor(write_slots, dtype=torch.int64, device=self.device),
                              decode_rows=torch.tensor(decode_rows, dtype=torch.int64, device=self.device),
                              decode_pages=decode_pages, decode_bias=decode_bias, prefills=prefills)
         return dict(token_ids=torch.tensor(token_ids, dtype=torch.int64, device=self.device),
                     positions=pos.to(self.device), attn=attn,
-                    logits_rows=torch.tensor(logits_rows, dtype=torch.int64, device=self.device))
-
-    def _write_slots(self, chunks: list[ScheduledChunk]) -> torch.Tensor:
-        size = self.pool.page_size
-        slots = []
-        for c in chunks:
-            s = c.seq
-            slots += (s.pages[p // size] * size + p % size
-                      for p in range(s.num_computed, s.num_computed + c.num_tokens))
-        return torch.tensor(slots, dtype=torch.int64)
+                    logits_rows=torch.tensor(logits_rows, dtype=torch.int64, device=self.device),
+                    samplers=samplers)
 
     def _decode_tables(self, tables: list[list[int]], lens: list[int]):
         if not tables:
