@@ -2,6 +2,8 @@
 
     isoserve bench --base-url http://127.0.0.1:8000 --concurrency 1,8,32 --ignore-eos --json out.json
     isoserve bench --offline --batch 1,8,32 --peers transformers,generate_batch
+    isoserve bench --roofline --batch 1,8,32
+    isoserve bench --prefill --prompt-tokens 2000 --peers transformers --llama-url http://127.0.0.1:8080
 """
 from __future__ import annotations
 
@@ -56,15 +58,70 @@ def add_arguments(p: argparse.ArgumentParser) -> None:
     offline.add_argument("--peers", type=_name_list, default=["transformers"], metavar="NAME[,NAME...]",
                          help="transformers (default) and/or generate_batch (continuous batching)")
 
+    machine = p.add_argument_group("roofline and prefill modes (also use --model, --dtype, --batch, "
+                                   "--peers and the token counts)")
+    machine.add_argument("--roofline", action="store_true",
+                         help="measure bf16 FLOP/s and memory bandwidth; the ideal decode step per "
+                              "--batch against isoserve's measured one")
+    machine.add_argument("--roofline-mib", type=int, default=1024,
+                         help="size of the tensor the bandwidth test reads and copies (default 1024)")
+    machine.add_argument("--roofline-square", type=int, default=2048,
+                         help="n of the large n x n x n matmul (default 2048)")
+    machine.add_argument("--prefill", action="store_true",
+                         help="time one long prompt's processing (default 2000 tokens): isoserve, "
+                              "transformers (--peers) and llama.cpp (--llama-url)")
+    machine.add_argument("--llama-url", metavar="URL",
+                         help="prefill: a running llama-server to time as well (its /completion)")
+    machine.add_argument("--repeats", type=int, default=3,
+                         help="prefill: timed prompts per engine; the median counts (default 3)")
+
     both = p.add_argument_group("both modes")
     both.add_argument("--model", default=None,
                       help="HTTP: the served model name (default: the first in /v1/models); "
                            "offline: model name or path (default smollm2-135m-instruct)")
-    both.add_argument("--prompt-tokens", type=int, default=100)
+    both.add_argument("--prompt-tokens", type=int, default=None,
+                      help="default 100 (2000 with --prefill)")
     both.add_argument("--output-tokens", type=int, default=128)
     both.add_argument("--seed", type=int, default=0)
     both.add_argument("--json", metavar="PATH", help="write every number to this JSON file")
     both.add_argument("--label", default="", help="a name for this run, in the table, JSON and plot")
+    _add_soak_arguments(p)
+
+
+def _add_soak_arguments(p: argparse.ArgumentParser) -> None:
+    """`--soak`: mixed traffic, client aborts and worker kills, every request accounted for
+    (isoserve/bench/soak.py). Uses --base-url, --concurrency or --request-rate, --model,
+    --temperature, --seed and --json from above."""
+    soak = p.add_argument_group("soak mode (loopback only: it may SIGKILL worker processes)")
+    soak.add_argument("--soak", action="store_true",
+                      help="soak the server: tenants, mixed lengths, client aborts, optional worker kills")
+    soak.add_argument("--soak-keys", type=_name_list, default=[], metavar="KEY[,KEY...]",
+                      help="one API key per tenant (KEY or NAME=KEY)")
+    soak.add_argument("--soak-tenants-file", metavar="PATH",
+                      help="a text file of tenant keys, one a line (KEY, NAME=KEY or NAME KEY)")
+    soak.add_argument("--admin-key", default=os.environ.get("ISOSERVE_ADMIN_KEY"),
+                      help="admin key for /status (worker pids); needed by --kill-worker-every "
+                           "(default: $ISOSERVE_ADMIN_KEY)")
+    soak.add_argument("--duration", type=float, default=600.0, help="seconds of issuing (default 600)")
+    soak.add_argument("--max-requests", type=int, default=None, help="stop issuing after this many")
+    soak.add_argument("--abort-fraction", type=float, default=0.05,
+                      help="share of requests the client abandons on purpose (default 0.05)")
+    soak.add_argument("--kill-worker-every", type=float, default=None, metavar="S",
+                      help="SIGKILL a random up worker every S seconds")
+    soak.add_argument("--kill-roles", type=_name_list, default=["prefill", "decode", "aggregated"],
+                      metavar="ROLE[,ROLE...]", help="roles that may be killed (default all)")
+    soak.add_argument("--hang-after", type=float, default=120.0,
+                      help="a request without a final answer after this many seconds is hung (default 120)")
+    soak.add_argument("--chat-fraction", type=float, default=0.5, help="share of chat requests (default 0.5)")
+    soak.add_argument("--stream-fraction", type=float, default=0.5, help="share streamed (default 0.5)")
+    soak.add_argument("--soak-max-prompt-tokens", type=int, default=None,
+                      help="cap the ShareGPT-like prompt lengths")
+    soak.add_argument("--soak-max-output-tokens", type=int, default=None,
+                      help="cap the ShareGPT-like max_tokens")
+    soak.add_argument("--probe-after", action="store_true",
+                      help="then run the leak probe (isoserve probe) with the tenant keys")
+    soak.add_argument("--probe-json", metavar="PATH", help="the probe's full report")
+    soak.add_argument("--progress-every", type=float, default=5.0, help="seconds between progress lines")
 
 
 def run(args) -> int:
@@ -72,7 +129,21 @@ def run(args) -> int:
 
     from isoserve.bench import report
     logging.getLogger("httpx").setLevel(logging.WARNING)  # no log line per request
-    if args.offline:
+    if args.prompt_tokens is None:
+        args.prompt_tokens = 2000 if getattr(args, "prefill", False) else 100
+    if getattr(args, "soak", False):
+        from isoserve.bench.soak import run_soak
+        return run_soak(args)
+    if args.roofline or args.prefill:
+        if args.roofline and args.prefill:
+            raise SystemExit("bench: --roofline and --prefill are separate runs; give one")
+        if args.roofline:
+            from isoserve.bench.roofline import run_roofline as measure, table
+        else:
+            from isoserve.bench.prefill import run_prefill as measure, table
+        result = measure(args)
+        print(table(result))
+    elif args.offline:
         from isoserve.bench.offline import run_offline, table
         if args.plot:
             print("bench: --plot draws HTTP runs only; the offline table is printed instead")
