@@ -1,0 +1,251 @@
+"""Roofline: this machine's bf16 matmul FLOP/s and memory bandwidth, the ideal decode step
+they imply for a model at each batch size, and isoserve's measured step against it.
+
+    measure peak FLOP/s (torch.matmul on the model's decode shapes and one large square)
+    measure memory bandwidth (sum over, and copy of, a large tensor)
+    for each batch size:
+        bytes a decode step must read:  every weight matrix once (embedding rows are gathered,
+                                        unless the embedding is also the LM head) + the KV cache
+        FLOPs of a decode step:         2 x matmul parameters x batch + attention (QK and PV)
+        memory floor = bytes / bandwidth; compute floor = FLOPs / FLOP/s; ideal = the larger
+        measured: the engine decodes `batch` prompts of --prompt-tokens with --output-tokens new
+                  tokens each (ignore_eos, greedy, guards on); each step timed; the median over
+                  the steps in which every sequence decodes one token (no prefill in them)
+
+KV and attention are counted at the mean context of those steps (prompt + about half the
+output). The measured step is everything engine.step() does: scheduling, the guard, the
+forward, sampling and detokenization.
+"""
+from __future__ import annotations
+
+import os
+import statistics
+import time
+from datetime import datetime, timezone
+
+import torch
+
+from isoserve.bench.machine import machine_facts
+
+SQUARE = 2048          # the large square matmul (n x n @ n x n)
+MATMUL_SECONDS = 0.2   # each shape is timed for at least this long
+BANDWIDTH_REPEATS = 5
+
+
+# ---- the machine -------------------------------------------------------------------------------
+
+def _best_seconds(fn, min_seconds: float, min_repeats: int = 3) -> float:
+    fn()  # warm-up: first call allocates and picks kernels
+    best, spent, repeats = float("inf"), 0.0, 0
+    while repeats < min_repeats or spent < min_seconds:
+        t0 = time.perf_counter()
+        fn()
+        dt = time.perf_counter() - t0
+        best, spent, repeats = min(best, dt), spent + dt, repeats + 1
+    return best
+
+
+def measure_flops(shapes: list[tuple[int, int, int]], dtype: torch.dtype = torch.bfloat16,
+                  seconds: float = MATMUL_SECONDS) -> list[dict]:
+    """Best FLOP/s of torch.matmul for each (m, k, n): [m, k] @ [k, n]."""
+    results = []
+    with torch.inference_mode():
+        for m, k, n in shapes:
+            a, b = torch.randn(m, k, dtype=dtype), torch.randn(k, n, dtype=dtype)
+            out = torch.empty(m, n, dtype=dtype)
+            best = _best_seconds(lambda: torch.matmul(a, b, out=out), seconds)
+            results.append({"shape": [m, k, n], "seconds": best, "flops": 2 * m * k * n / best})
+    return results
+
+
+def measure_bandwidth(nbytes: int, repeats: int = BANDWIDTH_REPEATS) -> dict:
+    """Memory bandwidth in bytes/s: the best of reading a float32 tensor of `nbytes` (.sum()) and
+    copying it into another (read + write counted)."""
+    with torch.inference_mode():
+        src = torch.ones(max(1, nbytes // 4), dtype=torch.float32)
+        dst = torch.empty_like(src)
+        read = _best_seconds(lambda: src.sum(), 0.0, repeats)
+        copy = _best_seconds(lambda: dst.copy_(src), 0.0, repeats)
+    size = src.numel() * 4
+    return {"bytes": size, "read_bytes_per_s": size / read, "copy_bytes_per_s": 2 * size / copy,
+            "bytes_per_s": max(size / read, 2 * size / copy)}
+
+
+# ---- the model ---------------------------------------------------------------------------------
+
+def model_costs(config, weights: dict[str, torch.Tensor], dtype: torch.dtype) -> dict:
+    """Parameters a decode step multiplies by and the weight bytes it reads, from a checkpoint."""
+    elem = torch.empty((), dtype=dtype).element_size()
+    embed = weights["model.embed_tokens.weight"].numel()
+    matmul = sum(t.numel() for name, t in weights.items() if t.dim() == 2 and name != "model.embed_tokens.weight")
+    if config.tie_word_embeddings:
+        matmul += embed  # the embedding is the LM head too: read in full every step
+    small = sum(t.numel() for t in weights.values() if t.dim() < 2)  # norms, biases
+    return {"parameters": sum(t.numel() for t in weights.values()),
+            "matmul_parameters": matmul, "weight_bytes": (matmul + small) * elem,
+            "kv_bytes_per_token": config.kv_bytes_per_token(elem)}
+
+
+def step_costs(config, costs: dict, batch: int, context: float) -> tuple[float, float]:
+    """(bytes read, FLOPs) of one decode step of `batch` sequences at `context` tokens each."""
+    attention = 2 * 2 * config.num_layers * config.num_heads * config.head_dim * context  # QK^T, PV
+    flops = batch * (2 * costs["matmul_parameters"] + attention)
+    nbytes = costs["weight_bytes"] + batch * context * costs["kv_bytes_per_token"]
+    return nbytes, flops
+
+
+def decode_shapes(config, batch: int) -> list[tuple[int, int, int]]:
+    """The model's decode matmuls at `batch` tokens: QKV, O, gate-up, down, LM head."""
+    h, d = config.hidden_size, config.head_dim
+    qkv = (config.num_heads + 2 * config.num_kv_heads) * d
+    return [(batch, h, qkv), (batch, config.num_heads * d, h), (batch, h, 2 * config.intermediate_size),
+            (batch, config.intermediate_size, h), (batch, h, config.vocab_size)]
+
+
+# ---- isoserve ----------------------------------------------------------------------------------
+
+def measure_decode_steps(engine, prompts: list[list[int]], output_tokens: int) -> dict:
+    """Run the prompts to exactly output_tokens new tokens each; time every engine.step() and keep
+    the steps in which all of them decoded one token."""
+    from isoserve import SamplingParams
+
+    scheduled: list[list[int]] = []
+    schedule = engine.scheduler.schedule
+
+    def recording_schedule():
+        chunks = schedule()
+        scheduled.append([c.num_tokens for c in chunks])
+        return chunks
+
+    engine.scheduler.schedule = recording_schedule  # this engine only, and only while we measure
+    params = SamplingParams(max_tokens=output_tokens, temperature=0.0, ignore_eos=True)
+    ids = [f"roofline-{len(prompts)}-{i}" for i in range(len(prompts))]
+    try:
+        for rid, prompt in zip(ids, prompts):
+            engine.add_request(rid, prompt, params)
+        decode_times, all_times, finished, errors = [], [], 0, []
+        started = time.perf_counter()
+        while finished < len(prompts):
+            before = len(scheduled)
+            t0 = time.perf_counter()
+            outputs = engine.step()
+            dt = time.perf_counter() - t0
+            chunks = scheduled[before] if len(scheduled) > before else []
+            if chunks:
+                all_times.append(dt)
+                if len(chunks) == len(prompts) and all(n == 1 for n in chunks):
+                    decode_times.append(dt)
+            for out in outputs:
+                if out.finished:
+                    finished += 1
+                    if out.error is not None:
+                        errors.append(str(out.error))
+        total = time.perf_counter() - started
+    finally:
+        engine.scheduler.schedule = schedule
+    if errors:
+        raise RuntimeError(f"isoserve failed {len(errors)} request(s): {errors[0]}")
+    if not decode_times:
+        raise RuntimeError("no step decoded the whole batch at once; raise --output-tokens")
+    return {"steps": len(all_times), "decode_steps": len(decode_times),
+            "step_seconds_median": statistics.median(decode_times),
+            "step_seconds_mean": statistics.fmean(decode_times),
+            "step_seconds_min": min(decode_times), "total_seconds": total}
+
+
+# ---- the command -------------------------------------------------------------------------------
+
+def run_roofline(args) -> dict:
+    os.environ.setdefault("HF_HUB_OFFLINE", "1")
+    from tqdm.auto import tqdm
+
+    from isoserve.bench.offline import prompt_ids
+    from isoserve.config import EngineConfig, parse_dtype
+    from isoserve.engine.engine import Engine
+    from isoserve.model.loader import load_checkpoint
+
+    model = args.model or "smollm2-135m-instruct"
+    dtype = parse_dtype(args.dtype)
+    batches = sorted(set(args.batch))
+    square = args.roofline_square
+    total = 2 + len(batches)
+    bar = tqdm(total=total, desc="roofline", unit="part")
+
+    bar.set_postfix_str("matmul FLOP/s")
+    print(f"loading {model} ({args.dtype}) ...", flush=True)
+    ckpt = load_checkpoint(model, dtype)
+    cfg = ckpt.config
+    shapes = decode_shapes(cfg, max(batches))  # the largest batch: the best FLOP/s of these shapes
+    shapes.append((square, square, square))
+    matmuls = measure_flops(shapes, dtype)
+    peak = max(m["flops"] for m in matmuls)
+    bar.write(f"matmul: best {peak / 1e12:.3f} TFLOP/s ({args.dtype}); "
+              + ", ".join(f"{'x'.join(map(str, m['shape']))} {m['flops'] / 1e9:.0f} GFLOP/s" for m in matmuls))
+    bar.update()
+
+    bar.set_postfix_str("memory bandwidth")
+    bw = measure_bandwidth(args.roofline_mib * 2**20)
+    bar.write(f"memory: {bw['bytes_per_s'] / 1e9:.1f} GB/s (read {bw['read_bytes_per_s'] / 1e9:.1f}, "
+              f"copy {bw['copy_bytes_per_s'] / 1e9:.1f}; {bw['bytes'] / 2**20:.0f} MiB tensor)")
+    bar.update()
+
+    costs = model_costs(cfg, ckpt.weights, dtype)
+    engine = Engine(EngineConfig(model=model, dtype=args.dtype, max_num_seqs=max(64, max(batches))),
+                    checkpoint=ckpt)
+    prompts = prompt_ids(engine.tokenizer, max(batches), args.prompt_tokens, args.seed)
+    measure_decode_steps(engine, prompts[:2], 3)  # warm-up
+    # The measured steps run from prompt + 1 to prompt + output - 1 tokens of context.
+    context = args.prompt_tokens + args.output_tokens / 2
+    rows = []
+    for batch in batches:
+        bar.set_postfix_str(f"isoserve batch {batch}")
+        nbytes, flops = step_costs(cfg, costs, batch, context)
+        memory_floor, compute_floor = nbytes / bw["bytes_per_s"], flops / peak
+        ideal = max(memory_floor, compute_floor)
+        measured = measure_decode_steps(engine, prompts[:batch], args.output_tokens)
+        step = measured["step_seconds_median"]
+        row = {"batch": batch, "weight_bytes": costs["weight_bytes"],
+               "kv_bytes": nbytes - costs["weight_bytes"], "bytes": nbytes, "flops": flops,
+               "memory_floor_s": memory_floor, "compute_floor_s": compute_floor, "ideal_s": ideal,
+               "bound": "memory" if memory_floor >= compute_floor else "compute",
+               "measured_s": step, "measured_over_ideal": step / ideal,
+               "measured_over_memory_floor": step / memory_floor,
+               "measured_tokens_per_s": batch / step, "ideal_tokens_per_s": batch / ideal,
+               "isoserve": measured}
+        rows.append(row)
+        bar.write(f"batch {batch:>3}: ideal {ideal * 1e3:.2f} ms ({row['bound']}-bound), isoserve "
+                  f"{step * 1e3:.2f} ms = {step / ideal:.2f}x ideal ({measured['decode_steps']} steps)")
+        bar.update()
+    bar.close()
+    return {
+        "label": args.label or "",
+        "date": datetime.now(timezone.utc).isoformat(timespec="seconds"),
+        "model": model, "dtype": args.dtype, "torch_threads": torch.get_num_threads(),
+        "machine": machine_facts(),
+        "prompt_tokens": args.prompt_tokens, "output_tokens": args.output_tokens,
+        "context_tokens": context, "seed": args.seed,
+        "peak_flops": peak, "matmuls": matmuls, "bandwidth": bw, "model_costs": costs,
+        "results": rows,
+    }
+
+
+HEADERS = ["batch", "weight MB", "KV MB", "GFLOP/step", "memory floor ms", "compute floor ms",
+           "ideal ms", "isoserve ms", "isoserve / ideal", "isoserve / memory floor"]
+
+
+def cells(row: dict) -> list[str]:
+    return [str(row["batch"]), f"{row['weight_bytes'] / 1e6:.1f}", f"{row['kv_bytes'] / 1e6:.1f}",
+            f"{row['flops'] / 1e9:.2f}", f"{row['memory_floor_s'] * 1e3:.2f}",
+            f"{row['compute_floor_s'] * 1e3:.2f}", f"{row['ideal_s'] * 1e3:.2f}",
+            f"{row['measured_s'] * 1e3:.2f}", f"{row['measured_over_ideal']:.2f}x",
+            f"{row['measured_over_memory_floor']:.2f}x"]
+
+
+def table(run: dict) -> str:
+    widths = [max(len(h), 8) for h in HEADERS]
+    lines = [f"== roofline: {run['model']} {run['dtype']}, {run['torch_threads']} threads; "
+             f"{run['peak_flops'] / 1e12:.3f} TFLOP/s, {run['bandwidth']['bytes_per_s'] / 1e9:.1f} GB/s; "
+             f"context {run['context_tokens']:.0f} tokens ==",
+             " ".join(h.rjust(w) for h, w in zip(HEADERS, widths))]
+    lines += [" ".join(c.rjust(w) for c, w in zip(cells(r), widths)) for r in run["results"]]
+    return "\n".join(lines)

@@ -1,0 +1,50 @@
+"""The benchmark tools run and report what they say: `isoserve bench --roofline` on a tiny model
+with tiny sizes, and bench/build_llama_server.sh parses as bash. No timing is asserted beyond
+being positive: these are measurements, not targets."""
+from __future__ import annotations
+
+import json
+import shutil
+import subprocess
+from pathlib import Path
+
+import pytest
+
+from isoserve.cli import main as isoserve_main
+
+ROOT = Path(__file__).resolve().parent.parent
+
+
+def test_roofline_reports_every_field(tiny_llama_dir, tmp_path, capsys):
+    out = tmp_path / "roofline.json"
+    rc = isoserve_main(["bench", "--roofline", "--model", str(tiny_llama_dir), "--batch", "1,2",
+                        "--prompt-tokens", "8", "--output-tokens", "4", "--roofline-mib", "8",
+                        "--roofline-square", "128", "--json", str(out)])
+    assert rc == 0
+    printed = capsys.readouterr().out
+    assert "== roofline:" in printed and "isoserve / ideal" in printed
+
+    data = json.loads(out.read_text())
+    assert data["peak_flops"] > 0 and data["bandwidth"]["bytes_per_s"] > 0
+    assert data["matmuls"] and all(m["flops"] > 0 for m in data["matmuls"])
+    costs = data["model_costs"]
+    assert 0 < costs["matmul_parameters"] <= costs["parameters"]  # the tiny model is untied
+    assert costs["weight_bytes"] > 0
+    assert [r["batch"] for r in data["results"]] == [1, 2]
+    for row in data["results"]:
+        for key in ("weight_bytes", "bytes", "flops", "memory_floor_s", "compute_floor_s", "ideal_s",
+                    "measured_s", "measured_over_ideal", "measured_over_memory_floor"):
+            assert row[key] > 0, key
+        assert row["ideal_s"] == max(row["memory_floor_s"], row["compute_floor_s"])
+        assert row["isoserve"]["decode_steps"] >= 1
+    one, two = data["results"]
+    assert two["flops"] == pytest.approx(2 * one["flops"])  # FLOPs grow with the batch ...
+    assert two["weight_bytes"] == one["weight_bytes"]        # ... the weights read do not
+
+
+@pytest.mark.skipif(shutil.which("bash") is None, reason="no bash")
+def test_build_llama_server_script_is_valid_bash():
+    script = ROOT / "bench" / "build_llama_server.sh"
+    result = subprocess.run(["bash", "-n", str(script)], capture_output=True, text=True)
+    assert result.returncode == 0, result.stderr
+    assert "set -euo pipefail" in script.read_text()
