@@ -14,6 +14,7 @@ The loopback check and the key parsing run without a server.
 """
 from __future__ import annotations
 
+import asyncio
 import json
 from pathlib import Path
 
@@ -56,6 +57,96 @@ def test_tenant_keys_in_every_accepted_form():
     assert parse_tenant("alice=isk-abc", 0) == parse_tenant("alice isk-abc", 0)
     added = "Added tenant 'bob' to t.toml; its API key (shown only now): isk-xyz"
     assert (parse_tenant(added, 0).name, parse_tenant(added, 0).key) == ("bob", "isk-xyz")
+
+
+# ---- outcomes, against a fake transport ------------------------------------------------------
+
+def _sse(*events) -> bytes:
+    return b"".join(b"data: " + (e if isinstance(e, bytes) else json.dumps(e).encode()) + b"\n\n" for e in events)
+
+
+TOKEN = {"choices": [{"index": 0, "text": "hi", "finish_reason": None}]}
+LAST = {"choices": [{"index": 0, "text": "!", "finish_reason": "length"}]}
+ERROR = {"error": {"message": "gone", "type": "server_error", "code": "worker_unavailable"}}
+
+
+class _Reset(httpx.AsyncByteStream):
+    """Two events, then the connection breaks."""
+
+    async def __aiter__(self):
+        yield _sse(TOKEN, TOKEN)
+        raise httpx.ReadError("connection reset by peer")
+
+
+ANSWERS = {
+    "ok-plain": (lambda: httpx.Response(200, json={"choices": [{"text": "x", "finish_reason": "stop"}],
+                                                   "usage": {"completion_tokens": 1}}), False, "ok", ""),
+    "ok-stream": (lambda: httpx.Response(200, content=_sse(TOKEN, LAST, b"[DONE]")), True, "ok", ""),
+    "http-error": (lambda: httpx.Response(429, json=ERROR | {"error": ERROR["error"] | {"code": "rate_limit_exceeded"}},
+                                          headers={"Retry-After": "2"}), False, "error", "rate_limit_exceeded"),
+    "error-event": (lambda: httpx.Response(200, content=_sse(TOKEN, ERROR, b"[DONE]")), True, "error",
+                    "worker_unavailable"),
+    "error-event-no-done": (lambda: httpx.Response(200, content=_sse(TOKEN, ERROR)), True, "error",
+                            "worker_unavailable"),
+    "truncated": (lambda: httpx.Response(200, content=_sse(TOKEN, TOKEN)), True, "lost", "without [DONE]"),
+    "done-without-finish": (lambda: httpx.Response(200, content=_sse(TOKEN, b"[DONE]")), True, "lost",
+                            "finish_reason None"),
+    "bad-event": (lambda: httpx.Response(200, content=_sse(TOKEN, b"{not json")), True, "lost", "not JSON"),
+    "bad-body": (lambda: httpx.Response(200, content=b"<html>"), False, "lost", "not JSON"),
+    "no-choices": (lambda: httpx.Response(200, json={"id": "x"}), False, "lost", "without choices"),
+    "500-no-error-body": (lambda: httpx.Response(500, json={"detail": "boom"}), False, "lost",
+                          "without an OpenAI error body"),
+    "reset-mid-stream": (lambda: httpx.Response(200, stream=_Reset()), True, "lost", "reset"),
+    "reset-before-answer": (None, False, "lost", "closed without a complete response"),
+}
+
+
+@pytest.mark.parametrize("case", list(ANSWERS))
+def test_each_way_a_request_can_end_is_one_outcome(case):
+    from isoserve.bench.soak_report import SoakRecord
+    from isoserve.bench.soak_requests import Plan, Tenant, exchange
+
+    make, stream, outcome, detail = ANSWERS[case]
+
+    def handler(request):
+        if make is None:
+            raise httpx.RemoteProtocolError("Server disconnected without sending a response.")
+        return make()
+
+    async def run() -> SoakRecord:
+        record = SoakRecord(0, "alice", "completions", stream, 10, 4)
+        async with httpx.AsyncClient(transport=httpx.MockTransport(handler), base_url="http://127.0.0.1") as c:
+            await exchange(c, Plan(record, Tenant("alice", "k"), {"model": "m", "prompt": "p", "stream": stream}))
+        return record
+
+    record = asyncio.run(run())
+    assert record.outcome == outcome, (record.outcome, record.detail)
+    assert detail in (record.code if outcome == "error" else record.detail)
+    if case == "http-error":
+        assert record.status == 429 and record.retry_after == 2.0
+
+
+def test_a_request_without_an_answer_is_hung_and_an_abort_is_an_abort():
+    from isoserve.bench.soak import Soak, SoakConfig
+    from isoserve.bench.soak_requests import Tenant
+
+    async def handler(request):
+        await asyncio.sleep(3600)  # a server that never answers
+
+    async def run():
+        soak = Soak(SoakConfig("http://127.0.0.1:1", [Tenant("alice", "k")], hang_after=0.3, abort_fraction=0),
+                    log=lambda msg: None)
+        async with httpx.AsyncClient(transport=httpx.MockTransport(handler), base_url="http://127.0.0.1") as c:
+            hung = await soak._send(c, soak._next_plan("m"))
+            plan = soak._next_plan("m")
+            plan.abort_before_s = 0.05
+            aborted = await soak._send(c, plan)
+        return hung, aborted, soak
+
+    hung, aborted, soak = asyncio.run(run())
+    assert hung.outcome == "hung" and 0.3 <= hung.end - hung.start < 2
+    assert aborted.outcome == "aborted_by_client" and aborted.end - aborted.start < 0.3
+    assert soak.counts.in_flight == 0 and soak.counts.outcomes == {"hung": 1, "aborted_by_client": 1}
 
 
 # ---- against a server ------------------------------------------------------------------------

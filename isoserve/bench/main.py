@@ -110,8 +110,9 @@ def _add_soak_arguments(p: argparse.ArgumentParser) -> None:
                       help="SIGKILL a random up worker every S seconds")
     soak.add_argument("--kill-roles", type=_name_list, default=["prefill", "decode", "aggregated"],
                       metavar="ROLE[,ROLE...]", help="roles that may be killed (default all)")
-    soak.add_argument("--hang-after", type=float, default=120.0,
-                      help="a request without a final answer after this many seconds is hung (default 120)")
+    soak.add_argument("--hang-after", type=float, default=300.0,
+                      help="a request without a final answer after this many seconds is hung (default "
+                           "300; keep it above the longest legitimate request)")
     soak.add_argument("--chat-fraction", type=float, default=0.5, help="share of chat requests (default 0.5)")
     soak.add_argument("--stream-fraction", type=float, default=0.5, help="share streamed (default 0.5)")
     soak.add_argument("--soak-max-prompt-tokens", type=int, default=None,

@@ -120,7 +120,7 @@ class SoakConfig:
     abort_fraction: float = 0.05
     kill_worker_every: float | None = None
     kill_roles: tuple[str, ...] = ROLES
-    hang_after: float = 120.0
+    hang_after: float = 300.0
     seed: int = 0
     temperature: float = 0.0
     chat_fraction: float = 0.5
@@ -299,7 +299,7 @@ class Soak:
                 else:  # cancelling the exchange closes its connection: the server sees a disconnect
                     task.cancel()
                     await asyncio.gather(task, return_exceptions=True)
-                    rec.finish("aborted_by_client", detail="closed before the answer")
+                    rec.finish("aborted_by_client", detail="closed before the answer was complete")
         except TimeoutError:
             rec.finish("hung", detail=f"no final answer within {self.cfg.hang_after:g} s")
         except Exception as e:  # a bug of ours must not hide a request either
