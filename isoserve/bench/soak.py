@@ -24,6 +24,7 @@ isoserve one. That is why the soak refuses any base URL that is not loopback.
 from __future__ import annotations
 
 import asyncio
+import contextlib
 import ipaddress
 import os
 import random
@@ -211,6 +212,7 @@ class Soak:
         self.counts = _Counts()
         self.typical_latency = FIRST_ABORT_GUESS_S
         self.issuing = False
+        self.interrupted = False
         self.t0 = 0.0
         self.calibration = Calibration()
         self.length_cap: int | None = None
@@ -248,6 +250,8 @@ class Soak:
 
     # ---- the workload ----
     def _may_issue(self) -> bool:
+        if self.interrupted:
+            return False
         if self.cfg.max_requests is not None and self.counts.issued >= self.cfg.max_requests:
             return False
         return self.now() < self.cfg.duration
@@ -448,6 +452,9 @@ class Soak:
                      + (f", a worker kill every {cfg.kill_worker_every:g} s" if cfg.kill_worker_every else ""))
             self.t0 = time.monotonic()
             self.issuing = True
+            loop = asyncio.get_running_loop()
+            with contextlib.suppress(NotImplementedError, RuntimeError, ValueError):
+                loop.add_signal_handler(signal.SIGINT, self._interrupt)
             watchers: list[asyncio.Task] = []
             helpers = [asyncio.create_task(self._progress())]
             if cfg.kill_worker_every:
@@ -464,6 +471,8 @@ class Soak:
                 else:
                     load_task.result()
             finally:
+                with contextlib.suppress(NotImplementedError, RuntimeError, ValueError):
+                    loop.remove_signal_handler(signal.SIGINT)
                 self.issuing = False
                 last_issue = max((r.start for r in self.records), default=0.0)
                 for task in helpers:
@@ -481,9 +490,16 @@ class Soak:
                 for w in watchers:
                     w.cancel()
                 await asyncio.gather(*watchers, return_exceptions=True)
-            probe = await self._probe(client, model) if cfg.probe_after else None
-        return SoakResult(cfg.describe(), model, max_model_len, started_at, seconds, last_issue,
+            probe = await self._probe(client, model) if cfg.probe_after and not self.interrupted else None
+        return SoakResult(cfg.describe() | {"interrupted": self.interrupted}, model, max_model_len, started_at, seconds, last_issue,
                           self.records, self.kills, self.kill_skips, probe)
+
+    def _interrupt(self) -> None:
+        """Ctrl-C: stop issuing, let the outstanding requests end, report. A second one quits."""
+        self.interrupted = True
+        self.log(f"soak {self.now():5.0f}s: interrupted; waiting for the outstanding requests "
+                 f"(at most {self.cfg.hang_after:g} s; Ctrl-C again to quit without a report)")
+        asyncio.get_running_loop().remove_signal_handler(signal.SIGINT)
 
     # ---- the leak probe ----
     async def _probe(self, client: httpx.AsyncClient, model: str) -> dict:
@@ -550,4 +566,6 @@ def run_soak(args) -> int:
     if args.json:
         write_json(args.json, result, summary)
         print(f"wrote {args.json}")
+    if result.config.get("interrupted"):
+        return 130  # as a shell reports Ctrl-C: the soak did not run its course
     return exit_status(summary)

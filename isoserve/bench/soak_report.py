@@ -150,7 +150,8 @@ def _ms(seconds: float | None) -> str:
 def render_table(result: SoakResult, summary: dict) -> str:
     c = summary["outcomes"]
     lines = [f"soak of {result.config.get('base_url')} ({result.model}): {result.seconds:.1f} s, "
-             f"issuing for {result.issuing_seconds:.1f} s",
+             f"issuing for {result.issuing_seconds:.1f} s"
+             + (" (interrupted)" if result.config.get("interrupted") else ""),
              f"  {'issued':<22}{summary['issued']:>8}"]
     for name in OUTCOMES:
         lines.append(f"  {name:<22}{c[name]:>8}")
