@@ -10,6 +10,8 @@ class IsoserveError(Exception):
     http_status = 500
     code = "internal_error"
     error_type = "server_error"
+    # Seconds after which a retry may succeed (sent as Retry-After); None: retrying won't help.
+    retry_after: int | None = None
 
     def __init__(self, message: str, *, param: str | None = None):
         super().__init__(message)
@@ -62,6 +64,39 @@ class KVTransferIncomplete(IsoserveError):
 class WorkerUnavailable(IsoserveError):
     http_status = 503
     code = "worker_unavailable"
+    retry_after = 2
+
+
+class RateLimited(IsoserveError):
+    """One tenant has as many requests (or queued tokens) in flight as its limit allows."""
+    http_status = 429
+    code = "rate_limit_exceeded"
+    error_type = "rate_limit_error"
+    retry_after = 1
+
+
+class ServerOverloaded(RateLimited):
+    """The server as a whole holds as many requests as its queues are bounded to."""
+    code = "server_overloaded"
+
+
+class QueueTimeout(IsoserveError):
+    """The request waited longer than the queueing deadline before any work began on it."""
+    http_status = 503
+    code = "queue_timeout"
+    retry_after = 1
+
+
+class GenerationTimeout(IsoserveError):
+    """The request did not finish generating within its deadline."""
+    http_status = 504
+    code = "generation_timeout"
+
+
+class ServerShuttingDown(IsoserveError):
+    http_status = 503
+    code = "server_shutting_down"
+    retry_after = 1
 
 
 class RequestAborted(IsoserveError):
@@ -72,7 +107,8 @@ class RequestAborted(IsoserveError):
 
 _BY_CODE = {cls.code: cls for cls in (
     IsoserveError, InvalidRequest, ContextLengthExceeded, ModelNotFound, AuthenticationFailed,
-    PermissionDenied, KVIsolationViolation, KVTransferIncomplete, WorkerUnavailable, RequestAborted)}
+    PermissionDenied, KVIsolationViolation, KVTransferIncomplete, WorkerUnavailable, RequestAborted,
+    RateLimited, ServerOverloaded, QueueTimeout, GenerationTimeout, ServerShuttingDown)}
 
 
 def error_from_wire(data: dict) -> IsoserveError:
@@ -82,3 +118,13 @@ def error_from_wire(data: dict) -> IsoserveError:
     if cls is IsoserveError and data.get("code"):
         err.code = data["code"]
     return err
+
+
+class RequestTimeout(InvalidRequest):
+    """The client was too slow: it did not send its whole body in time (or did not read the
+    response). The connection is closed after it."""
+    http_status = 408
+    code = "request_timeout"
+
+
+_BY_CODE[RequestTimeout.code] = RequestTimeout

@@ -30,6 +30,8 @@ KNOWN = {
     "allocator.skip_tag_reset": "allocate pages without resetting writer and filled slots",
     "prefill.crash_mid_transfer": "exit the prefill process while a transfer is being sent",
     "decode.crash_mid_stream": "exit the decode process after a request has streamed some tokens",
+    "worker.step_delay_ms": "sleep this many milliseconds after each engine step (a slow model: "
+                            "keeps requests in flight long enough to kill a worker under them)",
 }
 
 

@@ -14,10 +14,11 @@ from isoserve import failpoints
 from isoserve.disagg.manifest import (Manifest, TransferRejected, apply_transfer_faults,
                                       build_manifest, verify_transfer, write_transfer)
 from isoserve.disagg.transport import ZmqKVReceiver, ZmqKVSender
+from isoserve.engine.deadlines import Deadlines
 from isoserve.engine.sampling_params import SamplingParams
 from isoserve.engine.sequence import Status, TokenLogprob
 from isoserve.errors import (ContextLengthExceeded, IsoserveError, KVIsolationViolation,
-                             KVTransferIncomplete)
+                             KVTransferIncomplete, WorkerUnavailable)
 from isoserve.kv.allocator import OutOfPages
 
 if TYPE_CHECKING:
@@ -70,7 +71,8 @@ class AggregatedRole(Role):
         b = msg.body
         params = SamplingParams(**b["params"])
         self.worker.admit(len(b["prompt_token_ids"]), params.max_tokens)
-        self.engine.add_request(b["request_id"], b["prompt_token_ids"], params)
+        self.engine.add_request(b["request_id"], b["prompt_token_ids"], params,
+                                deadlines=Deadlines.from_wire(b.get("deadlines")))
 
 
 class PrefillRole(Role):
@@ -82,23 +84,30 @@ class PrefillRole(Role):
         self.decode_endpoints: dict[str, str] = {}     # request -> decode worker's KV endpoint
         self.sender = ZmqKVSender(worker.ctx)
         self.in_flight: dict[str, list] = {}  # request -> its sends still using our pages
+        # Decode workers the router reported down, until it names them again (after they
+        # re-registered): KV for them is never sent, or it would wait in zmq holding our pages.
+        self.down_endpoints: set[str] = set()
 
     def prompt_limit(self, max_tokens: int) -> int:
         return effective_prompt_limit(self.engine.context_length, [self.engine.capacity_tokens], [],
                                       max_tokens)
 
     def handle(self, msg) -> None:
+        if msg.kind == "peer_down":
+            return self._drop_peer(msg.body["kv_endpoint"])
         if msg.kind != "prefill":
             return super().handle(msg)
         b = msg.body
         rid, prompt = b["request_id"], b["prompt_token_ids"]
         params = SamplingParams(**b["params"])
+        deadlines = Deadlines.from_wire(b.get("deadlines"))
         # The prefill engine samples only the first token; decode generates the rest.
         first_only = SamplingParams(**{**params.to_dict(), "max_tokens": 1, "stop": [],
                                        "ignore_eos": True})
         try:
             self.worker.admit(len(prompt), params.max_tokens)
-            self.engine.add_request(rid, prompt, first_only, keep_kv_on_finish=True)
+            self.engine.add_request(rid, prompt, first_only, keep_kv_on_finish=True,
+                                    deadlines=deadlines)
         except ContextLengthExceeded:
             if not failpoints.fire("prefill.placeholder_on_reject"):
                 raise
@@ -106,12 +115,25 @@ class PrefillRole(Role):
             log.error("failpoint prefill.placeholder_on_reject fired: %s replaced by a 1-token prompt", rid)
             self.engine.add_request(rid, prompt[:1], first_only, keep_kv_on_finish=True)
         self.decode_endpoints[rid] = b["decode_endpoint"]
+        self.down_endpoints.discard(b["decode_endpoint"])
+
+    def _drop_peer(self, endpoint: str) -> None:
+        """The router saw that decode worker go down: transfers queued to it will never be taken.
+        Closing our socket to it discards them, which hands their page buffers back (their
+        trackers complete) so housekeeping frees the pages; a restarted worker gets a new one."""
+        self.down_endpoints.add(endpoint)
+        if self.sender.drop(endpoint):
+            log.warning("decode worker at %s is down: discarded the KV transfers queued to it", endpoint)
 
     def on_outputs(self, outputs) -> None:
         for out in outputs:
             endpoint = self.decode_endpoints.pop(out.request_id, None)
             if out.error is not None:
                 self.worker.send_outputs([out])
+            elif out.finish_reason != "abort" and endpoint in self.down_endpoints:
+                self.engine.release(out.request_id)
+                self.worker.send_error(out.request_id, WorkerUnavailable(
+                    f"the decode worker for request {out.request_id} went down"))
             elif out.finish_reason != "abort" and endpoint is not None:
                 self._send_kv(out.request_id, endpoint)
             elif out.finished:
@@ -163,7 +185,7 @@ class DecodeRole(Role):
     def __init__(self, worker):
         super().__init__(worker)
         self.receiver = ZmqKVReceiver(worker.ctx, worker.opts.kv_endpoint, worker.poller)
-        self.waiting_for_pages: deque[tuple[str, list[int], SamplingParams]] = deque()
+        self.waiting_for_pages: deque[tuple[str, list[int], SamplingParams, Deadlines]] = deque()
         self.deadlines: dict[str, float] = {}
         guards = worker.opts.disabled_guards
         self.check_coverage = "transfer_coverage" not in guards
@@ -185,16 +207,20 @@ class DecodeRole(Role):
             return super().handle(msg)
         b = msg.body
         params = SamplingParams(**b["params"])  # validated before anything is held
+        deadlines = Deadlines.from_wire(b.get("deadlines"))
         self.worker.admit(len(b["prompt_token_ids"]), params.max_tokens)
-        self.deadlines[b["request_id"]] = time.monotonic() + self.worker.opts.transfer_timeout_s
-        self.waiting_for_pages.append((b["request_id"], b["prompt_token_ids"], params))
+        # The KV comes after the prompt waits its turn at a prefill worker and is computed there:
+        # the transfer deadline starts where the queueing allowance ends.
+        self.deadlines[b["request_id"]] = (time.monotonic() + (deadlines.queue_s or 0.0)
+                                           + self.worker.opts.transfer_timeout_s)
+        self.waiting_for_pages.append((b["request_id"], b["prompt_token_ids"], params, deadlines))
         self._reserve_waiting()
 
     def _reserve_waiting(self) -> None:
         while self.waiting_for_pages:
-            rid, prompt, params = self.waiting_for_pages[0]
+            rid, prompt, params, deadlines = self.waiting_for_pages[0]
             try:
-                self.engine.reserve(rid, prompt, params)
+                self.engine.reserve(rid, prompt, params, deadlines)
             except OutOfPages:
                 return  # first come, first served: wait for pages to come back
             except IsoserveError as e:
@@ -260,6 +286,7 @@ class DecodeRole(Role):
 
     def housekeeping(self) -> None:
         self._reserve_waiting()
+        self.engine.end_expired()  # reserved requests wait outside the steps
         now = time.monotonic()
         for rid in [r for r, d in self.deadlines.items() if d < now]:
             del self.deadlines[rid]

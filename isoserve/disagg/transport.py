@@ -1,5 +1,5 @@
 """How KV bytes move between workers. The roles use only these two classes, so another backend
-(NIXL/UCX, RDMA) can stand in for zmq by providing the same four methods.
+(NIXL/UCX, RDMA) can stand in for zmq by providing the same methods.
 
 A send hands zmq the page buffers without copying them; `done` turns true only when zmq no
 longer needs them, which is when the prefill worker may free the pages behind them.
@@ -25,6 +25,15 @@ class ZmqKVSender:
             sock.connect(endpoint)
             self._peers[endpoint] = sock
         return self._peers[endpoint]
+
+    def drop(self, endpoint: str) -> bool:
+        """Discard everything queued to a peer that is gone (zmq then releases the buffers, so
+        the sends' trackers complete). False when we had no socket to it."""
+        sock = self._peers.pop(endpoint, None)
+        if sock is None:
+            return False
+        sock.close(0)
+        return True
 
     def close(self) -> None:
         for sock in self._peers.values():

@@ -15,6 +15,7 @@ from dataclasses import dataclass, field
 
 import zmq
 
+from isoserve import failpoints
 from isoserve.admission import check_prompt_fits
 from isoserve.config import EngineConfig
 from isoserve.disagg.roles import AggregatedRole, DecodeRole, PrefillRole, Role
@@ -103,6 +104,9 @@ class Worker:
             self.role.poll_extra(events)
             if self.registered and self.engine.has_work():
                 self.role.on_outputs(self.engine.step())
+                delay_ms = failpoints.FAILPOINTS.value("worker.step_delay_ms")
+                if delay_ms:
+                    time.sleep(delay_ms / 1000)
             self.role.housekeeping()
             now = time.monotonic()
             if now - last_beat >= HEARTBEAT_S:
@@ -151,6 +155,11 @@ class Worker:
                 rid = body.get("request_id", "")
                 log.info("request %s rejected by worker %s: %s", rid, self.id, e.message)
                 self.send_error(rid, e)
+            except Exception as e:  # a malformed message ends its request, not the worker
+                rid = body.get("request_id", "")
+                log.exception("worker %s could not handle %s for request %r", self.id, msg.kind, rid)
+                if rid:
+                    self.send_error(rid, IsoserveError(f"worker error: {type(e).__name__}"))
 
     def send_error(self, request_id: str, error: IsoserveError) -> None:
         self.send_router("outputs", {"outputs": [error_to_wire(request_id, error)]})

@@ -18,7 +18,9 @@ from isoserve.engine.runner import ModelRunner
 from isoserve.engine.sampling_params import SamplingParams
 from isoserve.engine.scheduler import Scheduler
 from isoserve.engine.sequence import Sequence, Status, TokenLogprob
-from isoserve.errors import (InvalidRequest, IsoserveError, KVIsolationViolation)
+from isoserve.engine.deadlines import Deadlines
+from isoserve.errors import (GenerationTimeout, InvalidRequest, IsoserveError, KVIsolationViolation,
+                             QueueTimeout)
 from isoserve.kv.allocator import PageAllocator
 from isoserve.kv.pool import KVPool
 from isoserve.model.llama import LlamaModel
@@ -94,8 +96,8 @@ class Engine:
 
     # ---- requests -----------------------------------------------------------------------
     def add_request(self, request_id: str, prompt_token_ids: list[int], params: SamplingParams,
-                    *, keep_kv_on_finish: bool = False) -> Sequence:
-        seq = self._new_sequence(request_id, prompt_token_ids, params)
+                    *, keep_kv_on_finish: bool = False, deadlines: Deadlines | None = None) -> Sequence:
+        seq = self._new_sequence(request_id, prompt_token_ids, params, deadlines)
         check_prompt_fits(len(prompt_token_ids), self.prompt_limit(params.max_tokens), params.max_tokens)
         seq.keep_kv_on_finish = keep_kv_on_finish
         self.requests[request_id] = seq
@@ -103,22 +105,25 @@ class Engine:
         return seq
 
     def _new_sequence(self, request_id: str, prompt_token_ids: list[int],
-                      params: SamplingParams) -> Sequence:
+                      params: SamplingParams, deadlines: Deadlines | None) -> Sequence:
         if request_id in self.requests:
             raise InvalidRequest(f"request id {request_id!r} is already in use")
         vocab = self.model_config.vocab_size
         if any(not (0 <= t < vocab) for t in prompt_token_ids):
             raise InvalidRequest(f"prompt has token ids outside the vocabulary [0, {vocab})",
                                  param="prompt")
+        queue_deadline, generation_deadline = (deadlines or Deadlines()).instants()
         return Sequence(request_id=request_id, tag=next(self._tags),
                         prompt_token_ids=list(prompt_token_ids), params=params,
-                        arrival=next(self._arrivals))
+                        arrival=next(self._arrivals), queue_deadline=queue_deadline,
+                        generation_deadline=generation_deadline)
 
     # ---- decode side of a disaggregated request -----------------------------------------
-    def reserve(self, request_id: str, prompt_token_ids: list[int], params: SamplingParams) -> Sequence:
+    def reserve(self, request_id: str, prompt_token_ids: list[int], params: SamplingParams,
+                deadlines: Deadlines | None = None) -> Sequence:
         """Allocate pages for a prompt whose KV will arrive by transfer. The prompt (and so its
         length) comes from the router, never from the sender of the KV. Raises OutOfPages."""
-        seq = self._new_sequence(request_id, prompt_token_ids, params)
+        seq = self._new_sequence(request_id, prompt_token_ids, params, deadlines)
         check_prompt_fits(len(prompt_token_ids), self.prompt_limit(params.max_tokens), params.max_tokens)
         pages, epochs = self.allocator.allocate(-(-len(prompt_token_ids) // self.pool.page_size))
         seq.pages, seq.page_epochs = pages, epochs
@@ -171,6 +176,7 @@ class Engine:
     def step(self) -> list[RequestOutput]:
         # Outputs produced between steps (aborts, failures, a transfer's first token) go first,
         # so each request's outputs stay in order.
+        self.end_expired()
         outputs, self._pending_outputs = self._pending_outputs, []
         chunks = self.scheduler.schedule()
         if chunks:
@@ -188,6 +194,24 @@ class Engine:
         outputs += self._pending_outputs  # requests that finished in this step
         self._pending_outputs = []
         return outputs
+
+    def end_expired(self, now: float | None = None) -> None:
+        """End requests past a deadline (each step does, before scheduling; a worker also does
+        while no step runs, for requests that wait for a KV transfer)."""
+        now = time.monotonic() if now is None else now
+        for seq in list(self.requests.values()):
+            if seq.finished:
+                continue
+            if seq.queued and seq.queue_deadline is not None and now > seq.queue_deadline:
+                self.stats.counters["queue_timeouts"] += 1
+                self._finish(seq, "error", QueueTimeout(
+                    f"request {seq.request_id} waited in the queue past its deadline; the server "
+                    "is busy, retry later"))
+            elif seq.generation_deadline is not None and now > seq.generation_deadline:
+                self.stats.counters["generation_timeouts"] += 1
+                self._finish(seq, "error", GenerationTimeout(
+                    f"request {seq.request_id} did not finish within its generation deadline "
+                    f"({len(seq.output_token_ids)} tokens generated)"))
 
     def _append_token(self, seq: Sequence, token: int, logprob: TokenLogprob | None) -> None:
         seq.output_token_ids.append(token)

@@ -42,6 +42,14 @@ class Sequence:
     emitted_tokens: int = 0
     keep_kv_on_finish: bool = False  # prefill workers hand the pages to a transfer first
     num_preemptions: int = 0
+    # time.monotonic() instants (see engine/deadlines.py); None: no limit
+    queue_deadline: float | None = None
+    generation_deadline: float | None = None
+
+    @property
+    def queued(self) -> bool:
+        """Waiting and never started (a preempted sequence has started: it is not queued)."""
+        return self.status is Status.WAITING and self.num_preemptions == 0
 
     @property
     def all_token_ids(self) -> list[int]:
