@@ -62,8 +62,29 @@ def build_parser() -> argparse.ArgumentParser:
                        help="endpoint workers register on, e.g. tcp://0.0.0.0:7100 (default: a local ipc socket)")
     serve.add_argument("--cluster-secret-file", default=None,
                        help="shared secret for router/worker messages (default: a fresh one for local workers)")
-    serve.add_argument("--transfer-timeout", type=float, default=300.0,
-                       help="seconds a decode worker waits for a request's KV before failing it")
+    limits = serve.add_argument_group("deadlines (each ends a request with its own error code)")
+    limits.add_argument("--queue-timeout", type=float, default=120.0,
+                        help="seconds a request may wait before work on it begins: 503 queue_timeout "
+                             "(default 120)")
+    limits.add_argument("--transfer-timeout", type=float, default=60.0,
+                        help="seconds a decode worker waits for a request's KV beyond the queueing "
+                             "allowance: kv_transfer_incomplete (default 60)")
+    limits.add_argument("--generation-timeout", type=float, default=900.0,
+                        help="seconds from arrival to the last token: 504 generation_timeout (default 900)")
+    bounds = serve.add_argument_group("backpressure (beyond these, 429 with Retry-After)")
+    bounds.add_argument("--max-requests-in-flight", type=int, default=256,
+                        help="requests admitted and not ended, over all tenants (default 256)")
+    bounds.add_argument("--max-tokens-in-flight", type=int, default=None,
+                        help="prompt + max_tokens summed over those requests (default: no bound)")
+    bounds.add_argument("--tenant-max-concurrent-requests", type=int, default=64,
+                        help="per tenant, unless its [tenants.limits] says otherwise (default 64)")
+    bounds.add_argument("--tenant-max-queued-tokens", type=int, default=None,
+                        help="per tenant, unless its [tenants.limits] says otherwise (default: no bound)")
+    serve.add_argument("--heartbeat-timeout", type=float, default=5.0,
+                       help="a worker silent this long is marked down (default 5 s)")
+    serve.add_argument("--shutdown-grace", type=float, default=30.0,
+                       help="on SIGTERM, seconds in-flight requests get to finish; the rest end with "
+                            "503 server_shutting_down (default 30)")
     serve.add_argument("--threads-per-worker", type=int, default=None,
                        help="torch threads per worker process (default: cores / workers)")
     serve.add_argument("--worker-start-timeout", type=float, default=900.0)
@@ -79,7 +100,8 @@ def build_parser() -> argparse.ArgumentParser:
                         help="decode: where prefill workers send KV, e.g. tcp://10.0.0.5:7200")
     worker.add_argument("--kv-tokens", type=int, default=None, help="KV pool in tokens")
     worker.add_argument("--kv-memory-gb", type=float, default=None, help="KV pool in GiB")
-    worker.add_argument("--transfer-timeout", type=float, default=300.0)
+    worker.add_argument("--transfer-timeout", type=float, default=60.0,
+                        help="seconds to wait for a request's KV beyond its queueing allowance")
     worker.add_argument("--threads", type=int, default=None, help="torch threads (default: all cores)")
 
     check = sub.add_parser("check-config", help="audit pool sizes against the context, without serving")
@@ -93,6 +115,10 @@ def build_parser() -> argparse.ArgumentParser:
     add.add_argument("name")
     add.add_argument("--tenants", required=True, help="tenants file (TOML)")
     add.add_argument("--admin", action="store_true", help="may read /status")
+    add.add_argument("--max-concurrent-requests", type=int, default=None,
+                     help="this tenant's requests in flight at once (default: serve's)")
+    add.add_argument("--max-queued-tokens", type=int, default=None,
+                     help="prompt + max_tokens over this tenant's requests in flight (default: serve's)")
 
     from isoserve.probe.main import add_arguments as add_probe_arguments
     probe = sub.add_parser("probe", help="black-box leak probe of an OpenAI-compatible server "
@@ -122,7 +148,12 @@ def main(argv: list[str] | None = None) -> int:
         return check_config(args)
     if args.command == "tenants":
         from isoserve.server.tenants import add_tenant
-        key = add_tenant(args.tenants, args.name, admin=args.admin)
+        limits = {"max_concurrent_requests": args.max_concurrent_requests,
+                  "max_queued_tokens": args.max_queued_tokens}
+        try:
+            key = add_tenant(args.tenants, args.name, admin=args.admin, limits=limits)
+        except ValueError as e:
+            raise SystemExit(f"isoserve tenants add: {e}") from None
         print(f"added tenant {args.name!r} to {args.tenants}; its API key (shown only now): {key}")
         return 0
     if args.command == "probe":

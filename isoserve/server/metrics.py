@@ -54,6 +54,15 @@ class Metrics:
         self.guard_violations = Counter(
             "isoserve_guard_violations", "Requests stopped by a KV isolation guard",
             ["worker", "guard"], registry=r)
+        self.worker_restarts = Counter(
+            "isoserve_worker_restarts", "Worker processes `serve` restarted after they exited",
+            ["role"], registry=r)
+        self.rejected_by_limits = Counter(
+            "isoserve_requests_rejected_by_limits", "Requests refused with 429 because a bounded "
+            "queue was full, by limit (tenant_requests, tenant_tokens, server_requests, "
+            "server_tokens)", ["limit"], registry=r)
+        self.requests_in_flight = Gauge(
+            "isoserve_requests_in_flight", "Requests admitted and not yet ended", registry=r)
         self.rejected_messages = Counter(
             "isoserve_rejected_messages", "Messages dropped because they failed authentication, "
             "by channel", ["channel"], registry=r)
@@ -102,6 +111,15 @@ class Metrics:
 
     def count_rejected_message(self, channel: str) -> None:
         self.rejected_messages.labels(channel).inc()
+
+    def count_worker_restart(self, role: str) -> None:
+        self.worker_restarts.labels(role).inc()
+
+    def count_rejected_by_limit(self, limit: str) -> None:
+        self.rejected_by_limits.labels(limit).inc()
+
+    def set_requests_in_flight(self, count: int) -> None:
+        self.requests_in_flight.set(count)
 
     def render(self) -> bytes:
         """The Prometheus text exposition of every metric."""

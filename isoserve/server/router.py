@@ -18,15 +18,19 @@ import zmq.asyncio
 
 from isoserve.admission import check_prompt_fits, effective_prompt_limit
 from isoserve.disagg.wire import Signer, Unauthenticated
+from isoserve.engine.deadlines import Deadlines
 from isoserve.engine.engine import RequestOutput
 from isoserve.engine.sequence import TokenLogprob
-from isoserve.errors import IsoserveError, WorkerUnavailable, error_from_wire
+from isoserve.errors import GenerationTimeout, IsoserveError, WorkerUnavailable, error_from_wire
 from isoserve.server.audit import ROLES_BY_MODE, AuditSettings, audit_table, audit_worker
 from isoserve.server.backend import GenerationRequest
 
 log = logging.getLogger("isoserve.router")
 
 HEARTBEAT_TIMEOUT_S = 5.0
+# Workers enforce the generation deadline; the router waits this much longer before it ends a
+# request itself, so a worker that hangs while still sending heartbeats cannot hang a client.
+DEADLINE_BACKSTOP_S = 5.0
 
 
 @dataclass
@@ -57,6 +61,8 @@ class RouterSettings:
     min_kv_headroom: float = 1.0
     allow_undersized_kv: bool = False
     disabled_guards: frozenset[str] = frozenset()
+    deadlines: Deadlines = Deadlines()
+    heartbeat_timeout_s: float = HEARTBEAT_TIMEOUT_S
 
 
 class _Reserved:
@@ -156,14 +162,37 @@ class Router:
             raise WorkerUnavailable(f"no {role} worker is available")
         return min(up, key=lambda w: (len(w.in_flight), w.stats.get("pages_used", 0)))
 
+    def in_flight(self) -> int:
+        return len(self.streams)
+
+    def end_all(self, error: IsoserveError) -> int:
+        """End every request in flight with `error` (graceful shutdown past its grace period);
+        each is then aborted on its workers as any request that ends unclean. Returns how many."""
+        for rid, queue in self.streams.items():
+            queue.put_nowait(_error_output(rid, error))
+        return len(self.streams)
+
     async def generate(self, req: GenerationRequest) -> AsyncIterator[RequestOutput]:
         rid = req.request_id
+        started = time.monotonic()
         queue: asyncio.Queue = asyncio.Queue()
         self.streams[rid] = queue
         involved: list[WorkerInfo] = []
         clean = False
+        deadlines = self.settings.deadlines
         body = {"request_id": rid, "tenant": req.tenant, "prompt_token_ids": req.prompt_token_ids,
-                "params": req.params.to_dict()}
+                "params": req.params.to_dict(), "deadlines": deadlines.to_wire()}
+
+        async def next_output():
+            if deadlines.generation_s is None:
+                return await queue.get()
+            left = deadlines.generation_s + DEADLINE_BACKSTOP_S - (time.monotonic() - started)
+            try:
+                return await asyncio.wait_for(queue.get(), max(left, 0.0))
+            except TimeoutError:
+                raise GenerationTimeout(f"request {rid} did not finish within its generation "
+                                        f"deadline ({deadlines.generation_s:g} s)") from None
+
         try:
             if self.settings.mode == "aggregated":
                 worker = self._pick("aggregated")
@@ -175,14 +204,15 @@ class Router:
                 involved += [decode, prefill]
                 decode.in_flight.add(rid)
                 self._send(decode, "reserve", body)
-                first = await queue.get()
+                first = await next_output()
                 if not isinstance(first, _Reserved):
                     yield first  # the decode worker refused it: an explicit error
                     return
                 prefill.in_flight.add(rid)
-                self._send(prefill, "prefill", {**body, "decode_endpoint": decode.kv_endpoint})
+                self._send(prefill, "prefill", {**body, "decode_endpoint": decode.kv_endpoint,
+                                                "deadlines": deadlines.remaining(started).to_wire()})
             while True:
-                out = await queue.get()
+                out = await next_output()
                 if isinstance(out, _Reserved):
                     continue
                 clean = out.finished and out.error is None
@@ -250,7 +280,7 @@ class Router:
             return
         previous = self.workers.get(identity)
         if previous is not None and previous.state == "up":
-            self._fail_in_flight(previous, "re-registered (restarted)")
+            self.mark_down(identity, "registered again (it restarted)")
         info = WorkerInfo(id=identity, role=b["role"], pid=b["pid"], host=b["host"],
                           pool_tokens=b["pool_tokens"], pool_pages=b["pool_pages"],
                           page_size=b["page_size"], context_length=b["context_length"],
@@ -294,20 +324,34 @@ class Router:
         while True:
             await asyncio.sleep(0.5)
             now = time.monotonic()
-            for w in self.workers.values():
-                if w.state == "up" and now - w.last_seen > HEARTBEAT_TIMEOUT_S:
-                    w.state = "down"
-                    self.metrics.set_worker_up(w.id, w.role, False)
-                    log.error("worker %s (%s) missed heartbeats for %.0f s: marked down",
-                              w.id, w.role, now - w.last_seen)
-                    self._fail_in_flight(w, "stopped answering")
+            for w in list(self.workers.values()):
+                if w.state == "up" and now - w.last_seen > self.settings.heartbeat_timeout_s:
+                    self.mark_down(w.id, f"missed heartbeats for {now - w.last_seen:.1f} s")
+
+    def mark_down(self, worker_id: str, why: str) -> None:
+        """Take a worker out of service: no new requests go to it, and each of its requests in
+        flight ends now with 503 worker_unavailable (then is aborted on its other worker). It
+        comes back when it registers again and passes the capacity audit."""
+        w = self.workers.get(worker_id)
+        if w is None or w.state != "up":
+            return
+        w.state = "down"
+        self.metrics.set_worker_up(w.id, w.role, False)
+        log.error("worker %s (%s) marked down: %s; ending its %d request(s) in flight",
+                  w.id, w.role, why, len(w.in_flight))
+        self._fail_in_flight(w, why)
+        if w.role == "decode":
+            # KV queued to it will never be taken: prefill workers discard it and free the pages.
+            for p in self.workers.values():
+                if p.role == "prefill" and p.state == "up":
+                    self._send(p, "peer_down", {"kv_endpoint": w.kv_endpoint})
 
     def _fail_in_flight(self, worker: WorkerInfo, why: str) -> None:
         for rid in list(worker.in_flight):
             queue = self.streams.get(rid)
             if queue is not None:
                 queue.put_nowait(_error_output(rid, WorkerUnavailable(
-                    f"{worker.role} worker {worker.id} {why} while serving this request")))
+                    f"{worker.role} worker {worker.id} failed while serving this request ({why})")))
         worker.in_flight.clear()
 
 

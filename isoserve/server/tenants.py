@@ -6,7 +6,9 @@
     admin = true
     created = 2026-05-09T07:35:25Z
 
-    [tenants.limits]     # optional, per tenant; read and preserved, not yet enforced
+    [tenants.limits]     # optional; see isoserve/server/backpressure.py
+    max_concurrent_requests = 16   # requests in flight at once (the rest get 429)
+    max_queued_tokens = 200000     # prompt + max_tokens over its requests in flight
 
 A key is `isk-` + 32 random bytes (urlsafe base64). Such a key has far more entropy than any
 password, so a plain SHA-256 is enough to make a stolen file useless; a slow KDF would only
@@ -37,6 +39,8 @@ _KEY_BYTES = 32
 _NAME = re.compile(r"[A-Za-z0-9][A-Za-z0-9_.@-]{0,63}")  # safe in logs, labels and file names
 _SHA256_HEX = re.compile(r"[0-9a-f]{64}")
 _BARE_KEY = re.compile(r"[A-Za-z0-9_-]+")
+# What a tenant's [tenants.limits] table may set; each a positive integer.
+LIMIT_KEYS = ("max_concurrent_requests", "max_queued_tokens")
 _HEADER = ("# isoserve tenants. API keys are stored only as SHA-256 hashes; a new key is shown\n"
            "# once, when `isoserve tenants add` creates it. Edit with care: the server reloads\n"
            "# this file when it changes.\n")
@@ -104,19 +108,21 @@ class TenantStore:
         self._file_id = file_id
 
 
-def add_tenant(path: str | Path, name: str, admin: bool = False) -> str:
+def add_tenant(path: str | Path, name: str, admin: bool = False, limits: dict | None = None) -> str:
     """Add a tenant and return its new key: the only time the key exists in clear."""
     path = Path(path)
     if not _NAME.fullmatch(name):
         raise ValueError(f"invalid tenant name {name!r}: use 1-64 letters, digits and _ . @ -, "
                          "starting with a letter or digit")
+    limits = {k: v for k, v in (limits or {}).items() if v is not None}
+    _check_limits(limits, f"tenant {name!r}")
     with _locked(path):
         tenants = read_tenants(path) if path.exists() else []
         if any(t.name == name for t in tenants):
             raise ValueError(f"tenant {name!r} already exists in {path}")
         key = new_key()
         created = datetime.now(timezone.utc).replace(microsecond=0)
-        write_tenants(path, tenants + [Tenant(name, hash_key(key), admin, created)])
+        write_tenants(path, tenants + [Tenant(name, hash_key(key), admin, created, limits)])
     return key
 
 
@@ -173,7 +179,16 @@ def _parse_tenant(entry: dict, where: str) -> Tenant:
         raise ValueError(f"{where} ({name}): created must be a TOML date-time")
     if not isinstance(limits, dict):
         raise ValueError(f"{where} ({name}): limits must be a table")
+    _check_limits(limits, f"{where} ({name})")
     return Tenant(name, key_hash, admin, created, limits)
+
+
+def _check_limits(limits: dict, where: str) -> None:
+    for key, value in limits.items():
+        if key not in LIMIT_KEYS:
+            raise ValueError(f"{where}: unknown limit {key!r} (known: {', '.join(LIMIT_KEYS)})")
+        if isinstance(value, bool) or not isinstance(value, int) or value < 1:
+            raise ValueError(f"{where}: limit {key} must be a positive integer, got {value!r}")
 
 
 def _check_unique(tenants: list[Tenant], path: Path | None) -> None:
