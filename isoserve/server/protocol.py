@@ -4,7 +4,9 @@
 Unknown fields are ignored (OpenAI clients send fields we have no use for), `null` means "not
 given", and a known field we cannot honour (n > 1, echo, penalties, tools, ...) is rejected
 with a 400 naming it, never silently dropped: the client would get an answer to a question it
-did not ask.
+did not ask. Types are strict ("0.5" is not a temperature) and every size is bounded by
+isoserve.server.limits; the JSON schema of each field says the same as its validation, so the
+served OpenAPI document is the contract a client can generate requests from.
 """
 from __future__ import annotations
 
@@ -16,20 +18,36 @@ from dataclasses import dataclass
 from functools import cache
 from typing import Annotated, Any, Literal
 
-from pydantic import BaseModel, ConfigDict, Field, field_validator, model_validator
+from pydantic import (BaseModel, ConfigDict, Field, ValidationInfo, WithJsonSchema, field_validator,
+                      model_validator)
 from pydantic_core import PydanticCustomError
 
 from isoserve.engine.engine import RequestOutput
 from isoserve.engine.sampling_params import MAX_LOGPROBS, SamplingParams
 from isoserve.engine.sequence import TokenLogprob
 from isoserve.errors import IsoserveError, RequestAborted
+from isoserve.server.limits import (MAX_CONTENT_PARTS, MAX_MESSAGES, MAX_NAME_CHARS,
+                                    MAX_PROMPT_CHARS, MAX_PROMPT_TOKEN_IDS, MAX_STOP_LENGTH,
+                                    MAX_STOP_SEQUENCES, MAX_STOP_TOKEN_IDS, MAX_TOKEN_ID,
+                                    MIN_TEMPERATURE)
 
 DEFAULT_COMPLETION_MAX_TOKENS = 16  # the legacy completions API's default
-MAX_STOP_SEQUENCES = 16              # OpenAI allows 4; vLLM clients often send more
-MAX_STOP_LENGTH = 256                # each one is searched for after every token
-MAX_STOP_TOKEN_IDS = 256
 
-TokenId = Annotated[int, Field(ge=0)]
+TokenId = Annotated[int, Field(ge=0, le=MAX_TOKEN_ID)]
+
+
+def _integral(value: Any) -> Any:
+    """JSON has one number type: 2.0 is the integer 2 (JSON Schema agrees), 2.5 is not. Applied
+    before the strict integer fields (and lists of them), which still refuse "2" and true."""
+    if isinstance(value, float) and value.is_integer():
+        return int(value)
+    if isinstance(value, list):
+        return [_integral(v) for v in value]
+    return value
+
+# Pydantic's lax mode would take "0.5" for a temperature and "true" for a flag; an API whose
+# schema says number must not accept a string. NaN and infinities are not JSON numbers.
+_REQUEST_CONFIG = ConfigDict(extra="ignore", strict=True, allow_inf_nan=False)
 
 
 # ---- requests -------------------------------------------------------------------------------
@@ -38,30 +56,53 @@ def _unsupported(message: str) -> PydanticCustomError:
     return PydanticCustomError("unsupported_value", message)
 
 
+def _check_vocabulary(ids: list[int], info: ValidationInfo, what: str) -> None:
+    """The server validates with context {"vocab_size": n}: ids at or above it are no token
+    (the engine would refuse them too, but only after the request was queued)."""
+    vocab = (info.context or {}).get("vocab_size")
+    if vocab is not None and ids and max(ids) >= vocab:
+        raise PydanticCustomError("token_id_out_of_range",
+                                  f"{what} holds token id {max(ids)}, outside the vocabulary "
+                                  f"[0, {vocab})")
+
+
+_TEXT_PROMPT = {"type": "string", "minLength": 1, "maxLength": MAX_PROMPT_CHARS}
+_TOKEN_PROMPT = {"type": "array", "items": {"type": "integer", "minimum": 0, "maximum": MAX_TOKEN_ID},
+                 "minItems": 1, "maxItems": MAX_PROMPT_TOKEN_IDS}
+# One prompt: text or token ids, bare or as a batch of one (what the openai client sends).
+_PROMPT_SCHEMA = {"anyOf": [_TEXT_PROMPT, _TOKEN_PROMPT,
+                            {"type": "array", "items": _TEXT_PROMPT, "minItems": 1, "maxItems": 1},
+                            {"type": "array", "items": _TOKEN_PROMPT, "minItems": 1, "maxItems": 1}]}
+_STOP_STRING = {"type": "string", "minLength": 1, "maxLength": MAX_STOP_LENGTH}
+_STOP_SCHEMA = {"anyOf": [_STOP_STRING,
+                          {"type": "array", "items": _STOP_STRING, "maxItems": MAX_STOP_SEQUENCES}]}
+
+
 class StreamOptions(BaseModel):
-    model_config = ConfigDict(extra="ignore")
+    model_config = _REQUEST_CONFIG
     include_usage: bool = False
 
 
 class _GenerationRequest(BaseModel):
     """The fields both endpoints share."""
-    model_config = ConfigDict(extra="ignore")
+    model_config = _REQUEST_CONFIG
 
-    model: str
+    model: str = Field(max_length=MAX_NAME_CHARS)
     temperature: float = Field(1.0, ge=0, le=2)
     top_p: float = Field(1.0, gt=0, le=1)
-    top_k: int = Field(-1, ge=-1)  # extension: -1 or 0 disables it
+    top_k: int = Field(-1, ge=-1, le=MAX_TOKEN_ID)  # extension: -1 or 0 disables it
     seed: int | None = Field(None, ge=-2**63, le=2**63 - 1)  # it travels to workers as an int64
-    stop: str | list[str] | None = None
+    stop: Annotated[str | list[str] | None, WithJsonSchema(_STOP_SCHEMA)] = None
     stop_token_ids: list[TokenId] = Field(default_factory=list, max_length=MAX_STOP_TOKEN_IDS)
     ignore_eos: bool = False  # extension, as in vLLM
-    n: int = 1
+    # The fields below accept only the value that means "off": the schema says so exactly.
+    n: int = Field(1, json_schema_extra={"minimum": 1, "maximum": 1})
     stream: bool = False
     stream_options: StreamOptions | None = None
-    user: str | None = Field(None, max_length=256)
-    presence_penalty: float = 0.0
-    frequency_penalty: float = 0.0
-    logit_bias: dict[str, float] | None = None
+    user: str | None = Field(None, max_length=MAX_NAME_CHARS)
+    presence_penalty: float = Field(0.0, json_schema_extra={"minimum": 0, "maximum": 0})
+    frequency_penalty: float = Field(0.0, json_schema_extra={"minimum": 0, "maximum": 0})
+    logit_bias: dict[str, float] | None = Field(None, json_schema_extra={"maxProperties": 0})
 
     @model_validator(mode="before")
     @classmethod
@@ -69,6 +110,11 @@ class _GenerationRequest(BaseModel):
         if isinstance(data, dict):
             return {k: v for k, v in data.items() if v is not None}
         return data
+
+    @field_validator("top_k", "seed", "n", "stop_token_ids", mode="before")
+    @classmethod
+    def _integers(cls, value):
+        return _integral(value)
 
     @field_validator("stop")
     @classmethod
@@ -81,6 +127,12 @@ class _GenerationRequest(BaseModel):
             raise PydanticCustomError("bad_length", "each stop sequence must have 1 to "
                                                     f"{MAX_STOP_LENGTH} characters")
         return stops
+
+    @field_validator("stop_token_ids")
+    @classmethod
+    def _stop_tokens_in_vocabulary(cls, ids, info: ValidationInfo):
+        _check_vocabulary(ids, info, "stop_token_ids")
+        return ids
 
     @field_validator("n")
     @classmethod
@@ -108,24 +160,31 @@ class _GenerationRequest(BaseModel):
         return bool(self.stream_options and self.stream_options.include_usage)
 
     def sampling_params(self, max_tokens: int, logprobs: int | None) -> SamplingParams:
-        return SamplingParams(max_tokens=max_tokens, temperature=self.temperature, top_p=self.top_p,
+        # Sampling at a temperature this close to 0 is greedy decoding in all but overflow.
+        temperature = self.temperature if self.temperature >= MIN_TEMPERATURE else 0.0
+        return SamplingParams(max_tokens=max_tokens, temperature=temperature, top_p=self.top_p,
                               top_k=self.top_k, seed=self.seed, stop=list(self.stop or []),
                               stop_token_ids=list(self.stop_token_ids),
                               ignore_eos=self.ignore_eos, logprobs=logprobs)
 
 
 class CompletionRequest(_GenerationRequest):
-    # One prompt: text or token ids, bare or as a batch of one (what the openai client sends).
-    prompt: str | list[TokenId] | list[str] | list[list[TokenId]]
+    prompt: Annotated[str | list[TokenId] | list[str] | list[list[TokenId]],
+                      WithJsonSchema(_PROMPT_SCHEMA)]
     max_tokens: int = Field(DEFAULT_COMPLETION_MAX_TOKENS, ge=1)
     logprobs: int | None = Field(None, ge=0, le=MAX_LOGPROBS)
-    echo: bool = False
-    suffix: str | None = None
-    best_of: int | None = None
+    echo: bool = Field(False, json_schema_extra={"const": False})
+    suffix: str | None = Field(None, json_schema_extra={"maxLength": 0})
+    best_of: int | None = Field(None, json_schema_extra={"minimum": 1, "maximum": 1})
+
+    @field_validator("prompt", "max_tokens", "logprobs", "best_of", mode="before")
+    @classmethod
+    def _completion_integers(cls, value):
+        return _integral(value)
 
     @field_validator("prompt")
     @classmethod
-    def _one_prompt(cls, prompt):
+    def _one_prompt(cls, prompt, info: ValidationInfo):
         if isinstance(prompt, list) and prompt and isinstance(prompt[0], (str, list)):
             if len(prompt) != 1:
                 raise _unsupported("batched prompts are not supported; send one prompt "
@@ -133,6 +192,15 @@ class CompletionRequest(_GenerationRequest):
             prompt = prompt[0]
         if len(prompt) == 0:
             raise PydanticCustomError("empty", "the prompt is empty")
+        if isinstance(prompt, str):
+            if len(prompt) > MAX_PROMPT_CHARS:
+                raise PydanticCustomError("too_long", f"the prompt has {len(prompt)} characters; "
+                                                      f"at most {MAX_PROMPT_CHARS} are allowed")
+        else:
+            if len(prompt) > MAX_PROMPT_TOKEN_IDS:
+                raise PydanticCustomError("too_long", f"the prompt has {len(prompt)} token ids; "
+                                                      f"at most {MAX_PROMPT_TOKEN_IDS} are allowed")
+            _check_vocabulary(prompt, info, "the prompt")
         return prompt
 
     @field_validator("echo")
@@ -161,33 +229,61 @@ class CompletionRequest(_GenerationRequest):
 
 
 class TextPart(BaseModel):
-    model_config = ConfigDict(extra="ignore")
+    model_config = _REQUEST_CONFIG
     type: Literal["text"]
-    text: str
+    text: str = Field(max_length=MAX_PROMPT_CHARS)
 
 
 class ChatMessage(BaseModel):
-    model_config = ConfigDict(extra="ignore")
+    model_config = _REQUEST_CONFIG
     # "developer" is OpenAI's newer name for "system"; tool calls are not supported.
     role: Literal["system", "developer", "user", "assistant"]
-    content: str | list[TextPart]
-    name: str | None = None
+    content: Annotated[str, Field(max_length=MAX_PROMPT_CHARS)] \
+        | Annotated[list[TextPart], Field(max_length=MAX_CONTENT_PARTS)]
+    name: str | None = Field(None, max_length=MAX_NAME_CHARS)
+
+    def text(self) -> str:
+        return self.content if isinstance(self.content, str) else "\n".join(p.text for p in self.content)
 
     def to_template(self) -> dict:
         """The plain {role, content} dict chat templates expect."""
-        content = self.content if isinstance(self.content, str) else "\n".join(p.text for p in self.content)
         role = "system" if self.role == "developer" else self.role
-        return {"role": role, "content": content}
+        return {"role": role, "content": self.text()}
+
+
+class ResponseFormat(BaseModel):
+    model_config = _REQUEST_CONFIG
+    type: Literal["text"]  # json_object and json_schema would need constrained decoding
 
 
 class ChatCompletionRequest(_GenerationRequest):
-    messages: list[ChatMessage] = Field(min_length=1)
+    # top_logprobs > 0 needs logprobs: true (as OpenAI has it); JSON Schema can say that too.
+    model_config = ConfigDict(json_schema_extra={
+        "if": {"properties": {"top_logprobs": {"type": "integer", "minimum": 1}},
+               "required": ["top_logprobs"]},
+        "then": {"properties": {"logprobs": {"const": True}}, "required": ["logprobs"]}})
+
+    messages: list[ChatMessage] = Field(min_length=1, max_length=MAX_MESSAGES)
     max_tokens: int | None = Field(None, ge=1)
     max_completion_tokens: int | None = Field(None, ge=1)  # OpenAI's newer name; it wins
     logprobs: bool = False
     top_logprobs: int | None = Field(None, ge=0, le=MAX_LOGPROBS)
-    tools: list[Any] | None = None
-    response_format: dict | None = None
+    tools: list[Any] | None = Field(None, json_schema_extra={"maxItems": 0})
+    response_format: ResponseFormat | None = None
+
+    @field_validator("max_tokens", "max_completion_tokens", "top_logprobs", mode="before")
+    @classmethod
+    def _chat_integers(cls, value):
+        return _integral(value)
+
+    @field_validator("messages")
+    @classmethod
+    def _prompt_chars(cls, messages):
+        total = sum(len(m.text()) for m in messages)
+        if total > MAX_PROMPT_CHARS:
+            raise PydanticCustomError("too_long", f"the messages have {total} characters of content; "
+                                                  f"at most {MAX_PROMPT_CHARS} are allowed")
+        return messages
 
     @field_validator("tools")
     @classmethod
@@ -195,13 +291,6 @@ class ChatCompletionRequest(_GenerationRequest):
         if tools:
             raise _unsupported("tool calling is not supported")
         return tools
-
-    @field_validator("response_format")
-    @classmethod
-    def _text_only(cls, fmt):
-        if fmt and fmt.get("type") != "text":
-            raise _unsupported("only the text response format is supported")
-        return fmt
 
     @field_validator("top_logprobs")
     @classmethod
@@ -219,6 +308,12 @@ class ChatCompletionRequest(_GenerationRequest):
 
 # Pydantic puts the union member it tried into an error's location ("str", "list[int]", ...).
 _UNION_MEMBER = re.compile(r"(str|int|float|bool|none|list|dict|constrained-\w+|function-\w+)(\[.*\])?")
+
+
+def most_specific_error(errors: list[dict]) -> dict:
+    """The one error to report: the deepest (a union reports each member it tried), and among
+    those one that broke a limit over one that only says a member's type did not match."""
+    return max(errors, key=lambda e: (len(e["loc"]), not e["type"].endswith("_type")))
 
 
 def validation_error_param(loc: tuple) -> str | None:
