@@ -28,6 +28,7 @@ def _filtered_probs(logits: torch.Tensor, temperature: float, top_k: int, top_p:
         sorted_probs, order = probs.sort(descending=True)
         # Keep the smallest prefix whose mass reaches top_p (the first token always stays).
         drop = sorted_probs.cumsum(-1) - sorted_probs >= top_p
+        drop[..., 0] = False  # a top_p below float32's smallest value would otherwise drop it too
         sorted_probs[drop] = 0
         probs = torch.zeros_like(probs).scatter_(-1, order, sorted_probs)
     return probs
