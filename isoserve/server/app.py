@@ -26,19 +26,22 @@ from starlette.requests import ClientDisconnect
 from isoserve.engine.engine import RequestOutput
 from isoserve.engine.sampling_params import SamplingParams
 from isoserve.errors import (AuthenticationFailed, InvalidRequest, IsoserveError, ModelNotFound,
-                             PermissionDenied, RequestAborted)
+                             PermissionDenied, RequestAborted, ServerShuttingDown)
 from isoserve.server.backend import Backend, GenerationRequest
+from isoserve.server.backpressure import LoadLimiter, LoadLimits, Ticket
 from isoserve.server.metrics import Metrics
 from isoserve.server.protocol import (ChatCompletionRequest, ChatFormatter, CompletionFormatter,
                                       CompletionRequest, ResponseContext, TokenStrings,
                                       finish_reason, validation_error_param)
+from isoserve.errors import RequestTimeout
+from isoserve.server import limits as input_limits
+from isoserve.server.limits import MAX_BODY_BYTES
+from isoserve.server.openapi import install_openapi
+from isoserve.server.protocol import most_specific_error
 from isoserve.server.tenants import Tenant, TenantStore
 
 log = logging.getLogger("isoserve.server")
 
-# A prompt of a full 128k context as token ids in JSON is about 1 MiB; anything far bigger is
-# not a request we could serve, and reading it would only cost memory.
-MAX_BODY_BYTES = 8 * 2**20
 # Where handlers leave (status, error code) for the request counter: a stream that fails after
 # its 200 header, or a client that left, ends differently from what the header said.
 _OUTCOME = "isoserve.outcome"
@@ -48,13 +51,18 @@ Formatter = CompletionFormatter | ChatFormatter
 
 
 def create_app(backend: Backend, tenants: TenantStore, metrics: Metrics, *,
-               served_model_names: list[str]) -> FastAPI:
+               served_model_names: list[str], limits: LoadLimits | None = None) -> FastAPI:
     if not served_model_names:
         raise ValueError("served_model_names must name at least one model")
-    api = _OpenAIServer(backend, tenants, metrics, list(served_model_names))
-    # No /docs or /openapi.json: they would be the only routes a stranger could read.
+    api = _OpenAIServer(backend, tenants, metrics, list(served_model_names),
+                        LoadLimiter(limits or LoadLimits(), metrics))
+    # No /docs; /openapi.json is served below, to tenants only (see openapi.py).
     app = FastAPI(title="isoserve", docs_url=None, redoc_url=None, openapi_url=None)
+    app.add_middleware(_SlowClients, body_timeout=input_limits.body_timeout_s(),
+                       send_timeout=input_limits.send_timeout_s())
     app.add_middleware(_CountAndCatch, metrics=metrics)
+    # Token ids are checked against the vocabulary while the body is validated.
+    app.state.validation_context = {"vocab_size": len(backend.tokenizer)}
     app.add_exception_handler(IsoserveError, _isoserve_error)
     app.add_exception_handler(RequestValidationError, _fastapi_validation_error)
     app.add_exception_handler(StarletteHTTPException, _http_error)
@@ -70,13 +78,17 @@ def create_app(backend: Backend, tenants: TenantStore, metrics: Metrics, *,
     app.add_api_route("/status", api.status, methods=["GET"])
     app.add_api_route("/v1/completions", api.completions, methods=["POST"])
     app.add_api_route("/v1/chat/completions", api.chat_completions, methods=["POST"])
+    install_openapi(app, served_model_names, len(backend.tokenizer), authenticated)
+    app.state.api = api  # for serve's graceful shutdown: start_draining(), in_flight()
     return app
 
 
 class _OpenAIServer:
     def __init__(self, backend: Backend, tenants: TenantStore, metrics: Metrics,
-                 served_model_names: list[str]):
+                 served_model_names: list[str], limiter: LoadLimiter):
         self.backend = backend
+        self.limiter = limiter
+        self.draining = False
         self.tenants = tenants
         self.metrics = metrics
         self.served_model_names = served_model_names
@@ -96,8 +108,18 @@ class _OpenAIServer:
             raise AuthenticationFailed("Incorrect API key provided.")
         return tenant
 
+    # ---- graceful shutdown --------------------------------------------------------------
+    def start_draining(self) -> None:
+        """Refuse new generation requests (503 server_shutting_down); those in flight go on."""
+        self.draining = True
+
+    def in_flight(self) -> int:
+        return self.limiter.requests
+
     # ---- plain endpoints ----------------------------------------------------------------
     async def health(self) -> Response:
+        if self.draining:
+            return JSONResponse({"status": "draining"}, status_code=503)
         if self.backend.healthy():
             return JSONResponse({"status": "ok"})
         return JSONResponse({"status": "unavailable"}, status_code=503)
@@ -167,6 +189,11 @@ class _OpenAIServer:
                         params: SamplingParams, formatter: Formatter, *, stream: bool,
                         started: float) -> Response:
         self.backend.check_admission(len(prompt), params.max_tokens)
+        if self.draining:
+            raise ServerShuttingDown("The server is shutting down and takes no new requests; "
+                                     "retry on another replica or after it restarts.")
+        # Bounded queues: past a bound this raises 429 before anything is queued.
+        ticket = self.limiter.admit(tenant.name, tenant.limits, len(prompt) + params.max_tokens)
         record = _RequestRecord(self.metrics, formatter.ctx.id, tenant.name, len(prompt), started)
         outputs = self.backend.generate(
             GenerationRequest(formatter.ctx.id, tenant.name, prompt, params))
@@ -175,6 +202,7 @@ class _OpenAIServer:
                 collected = await _unless_disconnected(request, _collect(outputs, record))
             finally:
                 await _close(outputs)
+                ticket.release()
             response = JSONResponse(formatter.body(collected))  # raises the final error, if any
             record.completed(collected[-1])
             return response
@@ -185,9 +213,10 @@ class _OpenAIServer:
             finish_reason(first)
         except BaseException:
             await _close(outputs)
+            ticket.release()
             raise
         request.scope[_OUTCOME] = (RequestAborted.http_status, RequestAborted.code)  # until it ends
-        return _EventStream(_events(request, formatter, first, outputs, record), outputs)
+        return _EventStream(_events(request, formatter, first, outputs, record), outputs, ticket)
 
 
 class _RequestRecord:
@@ -316,10 +345,12 @@ class _EventStream(StreamingResponse):
     goes away, Starlette cancels the task sending the body but leaves the generator for the
     garbage collector to close; the backend would go on generating until then."""
 
-    def __init__(self, events: AsyncIterator[str], outputs: AsyncIterator[RequestOutput]):
+    def __init__(self, events: AsyncIterator[str], outputs: AsyncIterator[RequestOutput],
+                 ticket: Ticket):
         super().__init__(events, media_type="text/event-stream",
                          headers={"Cache-Control": "no-cache", "X-Accel-Buffering": "no"})
         self._outputs = outputs
+        self._ticket = ticket
 
     async def __call__(self, scope, receive, send) -> None:
         try:
@@ -328,6 +359,7 @@ class _EventStream(StreamingResponse):
             with anyio.CancelScope(shield=True):
                 await self.body_iterator.aclose()
             await _close(self._outputs)
+            self._ticket.release()
 
 
 # ---- request bodies and errors ----------------------------------------------------------------
@@ -342,9 +374,10 @@ async def _parse_body(request: Request, model: type[BaseModel]):
         if len(body) > MAX_BODY_BYTES:
             raise _too_large()
     try:
-        return model.model_validate_json(bytes(body))
+        return model.model_validate_json(
+            bytes(body), context=getattr(request.app.state, "validation_context", None))
     except ValidationError as e:
-        raise _invalid_request(e.errors()) from None
+        raise _invalid_request(e.errors(), bytes(body)) from None
 
 
 def _too_large() -> InvalidRequest:
@@ -353,21 +386,38 @@ def _too_large() -> InvalidRequest:
     return err
 
 
-def _invalid_request(errors: list[dict]) -> InvalidRequest:
+def _invalid_request(errors: list[dict], body: bytes = b"") -> InvalidRequest:
     bad_json = next((e for e in errors if e["type"] == "json_invalid"), None)
     if bad_json is not None:
+        param = _lone_surrogate_param(body)
+        if param:
+            return InvalidRequest(f"Invalid value for `{param}`: it holds a lone UTF-16 surrogate "
+                                  "(an unpaired \\ud800-\\udfff escape), which is not text.",
+                                  param=param)
         detail = (bad_json.get("ctx") or {}).get("error") or bad_json["msg"]
         return InvalidRequest(f"We could not parse the JSON body of your request: {detail}")
-    # The deepest location is the most specific: a union reports each member it tried.
-    error = max(errors, key=lambda e: len(e["loc"]))
+    error = most_specific_error(errors)
     param = validation_error_param(tuple(error["loc"]))
     message = f"Invalid value for `{param}`: {error['msg']}" if param else error["msg"]
     return InvalidRequest(message, param=param)
 
 
+def _lone_surrogate_param(body: bytes) -> str | None:
+    """pydantic's JSON parser refuses a lone surrogate escape ("\\ud800") as bad JSON; Python's
+    json module reads it into a string, which lets us name the field that holds it."""
+    try:
+        return input_limits.lone_surrogate_at(json.loads(body)) if body else None
+    except (ValueError, RecursionError):
+        return None
+
+
 def _error_response(request: Request, err: IsoserveError) -> JSONResponse:
     request.scope[_OUTCOME] = (err.http_status, err.code)
-    headers = {"WWW-Authenticate": "Bearer"} if isinstance(err, AuthenticationFailed) else None
+    headers = {}
+    if isinstance(err, AuthenticationFailed):
+        headers["WWW-Authenticate"] = "Bearer"
+    if err.retry_after is not None:
+        headers["Retry-After"] = str(err.retry_after)
     return JSONResponse(err.to_openai(), status_code=err.http_status, headers=headers)
 
 
@@ -430,3 +480,64 @@ def _endpoint_label(path: str) -> str:
     if path in _ENDPOINTS:
         return path
     return "/v1/models/{model}" if path.startswith("/v1/models/") else "other"
+
+
+class _SlowClientTimeout(Exception):
+    """Raised from receive or send when the client took longer than the server waits."""
+
+
+class _SlowClients:
+    """Bounds how long a client may hold a request without moving: the whole body must arrive
+    within `body_timeout` of the request's start (else 408 request_timeout, and the connection
+    is closed), and each write of the response may wait `send_timeout` for the client to read
+    (else the request ends: its backend stream is closed, which aborts it and frees its KV pages,
+    and the server closes the connection). Waiting is on the event loop: no thread, no polling."""
+
+    def __init__(self, app, body_timeout: float, send_timeout: float):
+        self.app = app
+        self.body_timeout = body_timeout
+        self.send_timeout = send_timeout
+
+    async def __call__(self, scope, receive, send) -> None:
+        if scope["type"] != "http":
+            await self.app(scope, receive, send)
+            return
+        body_deadline = anyio.current_time() + self.body_timeout
+        body_done = False
+        response_started = False
+
+        async def receive_in_time():
+            nonlocal body_done
+            if body_done:  # after the body, only the disconnect is left to wait for
+                return await receive()
+            with anyio.move_on_after(body_deadline - anyio.current_time()) as scope_:
+                message = await receive()
+            if scope_.cancelled_caught:
+                raise _SlowClientTimeout("body")
+            body_done = message["type"] != "http.request" or not message.get("more_body", False)
+            return message
+
+        async def send_in_time(message) -> None:
+            nonlocal response_started
+            with anyio.move_on_after(self.send_timeout) as scope_:
+                await send(message)
+            if scope_.cancelled_caught:
+                raise _SlowClientTimeout("send")
+            response_started = response_started or message["type"] == "http.response.start"
+
+        try:
+            await self.app(scope, receive_in_time, send_in_time)
+        except _SlowClientTimeout as e:
+            what = ("send its request body within %g s" % self.body_timeout if str(e) == "body"
+                    else "read the response for %g s" % self.send_timeout)
+            log.warning("client %s did not %s: ending %s %s", (scope.get("client") or ("?",))[0],
+                        what, scope.get("method"), scope.get("path"))
+            err = RequestTimeout(f"The client did not {what}.")
+            scope[_OUTCOME] = (err.http_status, err.code)
+            if not response_started and str(e) == "body":
+                # Connection: close, so the rest of a body that may still come is never read.
+                response = JSONResponse(err.to_openai(), status_code=err.http_status,
+                                        headers={"Connection": "close"})
+                with anyio.move_on_after(self.send_timeout):
+                    await response(scope, receive, send)
+            # Otherwise the response cannot be completed; the server closes the connection.

@@ -4,7 +4,6 @@ from __future__ import annotations
 import asyncio
 import logging
 import os
-import shlex
 import signal
 import subprocess
 import sys
@@ -156,11 +155,16 @@ def _worker_command(args, role: str, index: int, router: str, kv_endpoint: str, 
 async def _serve(args) -> int:
     import uvicorn
 
+    from isoserve.server.limits import KEEP_ALIVE_TIMEOUT_S, MAX_HEADER_BYTES
+
     from isoserve.disagg.wire import load_cluster_secret, new_cluster_secret
+    from isoserve.engine.deadlines import Deadlines
     from isoserve.model.loader import load_checkpoint
     from isoserve.server.app import create_app
+    from isoserve.server.backpressure import LoadLimits
     from isoserve.server.metrics import Metrics
     from isoserve.server.router import Router, RouterSettings
+    from isoserve.server.supervisor import Supervisor
     from isoserve.server.tenants import TenantStore, ensure_tenants_file
 
     _warn_disabled_guards(args.disabled_guards)
@@ -175,7 +179,9 @@ async def _serve(args) -> int:
     settings = RouterSettings(model_name=ckpt.name, context_length=context, page_size=args.page_size,
                               mode=args.mode, min_kv_headroom=args.min_kv_headroom,
                               allow_undersized_kv=args.allow_undersized_kv,
-                              disabled_guards=args.disabled_guards)
+                              disabled_guards=args.disabled_guards,
+                              deadlines=Deadlines(args.queue_timeout, args.generation_timeout),
+                              heartbeat_timeout_s=args.heartbeat_timeout)
     metrics = Metrics()
     router = Router(settings, secret, listen, ckpt.tokenizer, metrics)
     del ckpt  # the router keeps only the tokenizer
@@ -186,17 +192,17 @@ async def _serve(args) -> int:
     total = sum(n for _, n in plan)
     threads = args.threads_per_worker or max(1, (os.cpu_count() or 1) // max(total, 1))
     env = {**os.environ, "ISOSERVE_CLUSTER_SECRET": secret.decode()}
-    procs: list[subprocess.Popen] = []
+    supervisor = Supervisor(lambda cmd: subprocess.Popen(cmd, env=env, preexec_fn=_die_with_parent),
+                            router, metrics)
     for role, count in plan:
         for i in range(count):
             kv = f"ipc://{runtime_dir}/kv-{role}-{i}.sock" if role == "decode" else ""
-            cmd = _worker_command(args, role, i, _local_endpoint(listen), kv, threads)
-            log.debug("starting worker: %s", shlex.join(cmd))
-            procs.append(subprocess.Popen(cmd, env=env, preexec_fn=_die_with_parent))
+            supervisor.start(f"{role}-{i}", role,
+                             _worker_command(args, role, i, _local_endpoint(listen), kv, threads))
     try:
         if total:
             log.info("waiting for %d worker(s) to load the model and register", total)
-            await _wait_for_workers(router, procs, total, args.worker_start_timeout)
+            await _wait_for_workers(router, supervisor.processes(), total, args.worker_start_timeout)
             print(router.audit_table(), flush=True)
             refused = [w for w in router.workers.values() if w.state == "refused"]
             if refused:
@@ -207,26 +213,66 @@ async def _serve(args) -> int:
         else:
             log.info("no local workers: waiting for workers to register on %s (secret from %s)",
                      listen, args.cluster_secret_file or "ISOSERVE_CLUSTER_SECRET")
+        supervisor.watch()
         new_key = ensure_tenants_file(args.tenants)
         tenants = TenantStore.load(args.tenants)
-        app = create_app(router, tenants, metrics, served_model_names=[settings.model_name])
-        server = uvicorn.Server(uvicorn.Config(app, host=args.host, port=args.port,
-                                               log_level="warning", lifespan="off"))
+        limits = LoadLimits(args.max_requests_in_flight, args.max_tokens_in_flight,
+                            args.tenant_max_concurrent_requests, args.tenant_max_queued_tokens)
+        app = create_app(router, tenants, metrics, served_model_names=[settings.model_name],
+                         limits=limits)
+        server = uvicorn.Server(uvicorn.Config(
+            app, host=args.host, port=args.port, log_level="warning", lifespan="off",
+            timeout_keep_alive=KEEP_ALIVE_TIMEOUT_S, h11_max_incomplete_event_size=MAX_HEADER_BYTES,
+            # A last resort only: _drain_on_exit ends every request explicitly before this.
+            timeout_graceful_shutdown=int(args.shutdown_grace) + 10))
         _print_how_to_call(args, settings.model_name, router.max_model_len(), new_key)
+        _log_limits(args, limits)
         # uvicorn re-raises the signal that stopped it once it is done; with the default
         # SIGTERM action that would kill us before the workers are stopped below.
         signal.signal(signal.SIGTERM, lambda *_: None)
+        drain = asyncio.create_task(_drain_on_exit(server, app.state.api, router, args.shutdown_grace))
         await server.serve()
+        drain.cancel()
+        log.info("serve: stopped; stopping the workers")
         return 0
     finally:
+        await supervisor.stop()
         await router.stop()
-        for p in procs:
-            p.terminate()
-        for p in procs:
-            try:
-                p.wait(timeout=10)
-            except subprocess.TimeoutExpired:
-                p.kill()
+
+
+async def _drain_on_exit(server, api, router, grace_s: float) -> None:
+    """Graceful shutdown. uvicorn, on SIGTERM or SIGINT, stops accepting connections and waits
+    for the open ones; here new requests on those get 503 server_shutting_down, requests in
+    flight get `grace_s` to finish, and whatever is left then ends with that explicit error
+    (and is aborted on its workers) so every client gets an answer before the process exits."""
+    from isoserve.errors import ServerShuttingDown
+
+    while not server.should_exit:
+        await asyncio.sleep(0.1)
+    api.start_draining()
+    log.warning("serve: shutting down: no new requests; %d in flight get up to %.0f s to finish",
+                api.in_flight(), grace_s)
+    loop = asyncio.get_running_loop()
+    deadline = loop.time() + grace_s
+    while api.in_flight() and loop.time() < deadline:
+        await asyncio.sleep(0.1)
+    if api.in_flight():
+        ended = router.end_all(ServerShuttingDown(
+            f"The server shut down before this request finished (grace period {grace_s:g} s)."))
+        log.warning("serve: grace period over: ended %d request(s) with server_shutting_down", ended)
+    else:
+        log.info("serve: every request in flight finished")
+
+
+def _log_limits(args, limits) -> None:
+    log.info("limits: queue %.0f s, transfer %.0f s, generation %.0f s; in flight at most %s "
+             "requests%s; per tenant %s requests%s (tenants file may override); shutdown grace %.0f s",
+             args.queue_timeout, args.transfer_timeout, args.generation_timeout,
+             limits.max_requests or "unbounded",
+             f" / {limits.max_tokens} tokens" if limits.max_tokens else "",
+             limits.tenant_max_requests or "unbounded",
+             f" / {limits.tenant_max_tokens} tokens" if limits.tenant_max_tokens else "",
+             args.shutdown_grace)
 
 
 async def _wait_for_workers(router, procs, total: int, timeout: float) -> None:
