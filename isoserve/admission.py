@@ -40,4 +40,6 @@ def check_prompt_fits(prompt_len: int, limit: int, max_tokens: int = 0) -> None:
         raise ContextLengthExceeded(
             f"This model's maximum context length allows a prompt of {limit} tokens with "
             f"max_tokens={max_tokens}, but the prompt has {prompt_len} tokens. "
-            "Shorten the prompt or lower max_tokens.", param="prompt")
+            "Shorten the prompt or lower max_tokens.",
+            # When max_tokens alone leaves no room, it is the value to fix.
+            param="prompt" if limit > 0 else "max_tokens")

@@ -261,7 +261,7 @@ def test_prompt_over_the_limit_is_400_context_length_exceeded(http, backend):
         assert_openai_error(r, 400, "context_length_exceeded", param="prompt")
     r = http.post("/v1/chat/completions", json={"model": MODEL, "messages": CHAT,
                                                 "max_tokens": backend.max_model_len()})
-    assert_openai_error(r, 400, "context_length_exceeded")
+    assert_openai_error(r, 400, "context_length_exceeded", param="max_tokens")  # it alone is too big
     assert len(backend.received) == received  # rejected before reaching the backend
 
 

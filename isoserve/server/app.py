@@ -9,6 +9,7 @@ backend at once: its pages are worth more to the next request than its tokens to
 from __future__ import annotations
 
 import asyncio
+from concurrent.futures import ThreadPoolExecutor
 import json
 import logging
 import time
@@ -89,6 +90,7 @@ class _OpenAIServer:
         self.backend = backend
         self.limiter = limiter
         self.draining = False
+        self._tokenizer_thread = ThreadPoolExecutor(1, thread_name_prefix="isoserve-tokenize")
         self.tenants = tenants
         self.metrics = metrics
         self.served_model_names = served_model_names
@@ -154,7 +156,8 @@ class _OpenAIServer:
         tenant = self.authenticate(request)  # before reading the body: strangers get nothing parsed
         body = await _parse_body(request, CompletionRequest)
         self._check_model(body.model)
-        prompt = body.prompt if isinstance(body.prompt, list) else self.tokenizer.encode(body.prompt)
+        prompt = (body.prompt if isinstance(body.prompt, list)
+                  else await self._tokenize(self.tokenizer.encode, body.prompt))
         ctx = ResponseContext.new(CompletionFormatter.id_prefix, body.model, self.token_strings,
                                   logprobs=body.logprobs is not None,
                                   include_usage=body.include_usage)
@@ -166,13 +169,18 @@ class _OpenAIServer:
         tenant = self.authenticate(request)
         body = await _parse_body(request, ChatCompletionRequest)
         self._check_model(body.model)
-        prompt = self._chat_prompt(body)
+        prompt = await self._tokenize(self._chat_prompt, body)
         # Without a limit, a chat reply may use whatever the context leaves (as OpenAI does).
         max_tokens = body.requested_max_tokens() or max(1, self.backend.max_model_len() - len(prompt))
         ctx = ResponseContext.new(ChatFormatter.id_prefix, body.model, self.token_strings,
                                   logprobs=body.logprobs, include_usage=body.include_usage)
         return await self._generate(request, tenant, prompt, body.to_sampling_params(max_tokens),
                                     ChatFormatter(ctx), stream=body.stream, started=started)
+
+    async def _tokenize(self, fn, *args) -> list[int]:
+        """Run tokenization (up to a million characters) off the event loop, so other streams
+        keep flowing meanwhile; in one thread, as a tokenizer must not be used concurrently."""
+        return await asyncio.get_running_loop().run_in_executor(self._tokenizer_thread, fn, *args)
 
     def _chat_prompt(self, body: ChatCompletionRequest) -> list[int]:
         messages = [m.to_template() for m in body.messages]
