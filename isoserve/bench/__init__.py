@@ -10,6 +10,9 @@
     report.py      the printed table and the JSON file
     plot.py        throughput and latency percentiles as a PNG
     offline.py     LLM.generate against transformers in one process (peers.py)
+    prefill.py     one long prompt's processing: isoserve, transformers, llama-server
+    roofline.py    measured FLOP/s and memory bandwidth, the ideal decode step, isoserve's step
+    llama_server.py  llama.cpp's llama-server as a peer (built by bench/build_llama_server.sh)
     local_server.py, prom.py, zmq_raw.py, machine.py, docfile.py: for bench/run_benchmarks.py
 
 Nothing here asserts on timings: it measures and reports.

@@ -83,6 +83,7 @@ def model_costs(config, weights: dict[str, torch.Tensor], dtype: torch.dtype) ->
     small = sum(t.numel() for t in weights.values() if t.dim() < 2)  # norms, biases
     return {"parameters": sum(t.numel() for t in weights.values()),
             "matmul_parameters": matmul, "weight_bytes": (matmul + small) * elem,
+            "tied_embeddings": bool(config.tie_word_embeddings),
             "kv_bytes_per_token": config.kv_bytes_per_token(elem)}
 
 
