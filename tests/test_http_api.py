@@ -38,9 +38,12 @@ CHAT_AS_TEXT = [{"role": "system", "content": "You are terse."},  # what the tem
 
 # ---- fixtures ----------------------------------------------------------------------------------
 
-def serve(app) -> tuple[str, uvicorn.Server, threading.Thread]:
-    """A real uvicorn server on a free loopback port, on its own thread."""
+def serve(app, send_buffer: int | None = None) -> tuple[str, uvicorn.Server, threading.Thread]:
+    """A real uvicorn server on a free loopback port, on its own thread. `send_buffer` sets
+    SO_SNDBUF on the listening socket (accepted sockets inherit it)."""
     sock = socket.socket()
+    if send_buffer is not None:
+        sock.setsockopt(socket.SOL_SOCKET, socket.SO_SNDBUF, send_buffer)
     sock.bind(("127.0.0.1", 0))
     server = uvicorn.Server(uvicorn.Config(app, log_level="warning", lifespan="off"))
     thread = threading.Thread(target=server.run, kwargs={"sockets": [sock]}, daemon=True)

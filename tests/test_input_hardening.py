@@ -8,12 +8,10 @@ from __future__ import annotations
 import json
 import os
 import socket
-import threading
 import time
 
 import httpx
 import pytest
-import uvicorn
 
 from isoserve.server.app import create_app
 from isoserve.server.limits import (MAX_BODY_BYTES, MAX_CONTENT_PARTS, MAX_MESSAGES,
@@ -23,7 +21,7 @@ from isoserve.server.metrics import Metrics
 from isoserve.server.tenants import TenantStore
 
 from test_http_api import (CHAT, MODEL, assert_openai_error, backend, base_url, http, keys,  # noqa: F401
-                           metrics, model_path, stop, wait_for_abort)
+                           metrics, model_path, serve, stop, wait_for_abort)
 
 VOCAB = 49152  # SmolLM2's tokenizer, which the tiny model uses
 USER = [{"role": "user", "content": "hi"}]
@@ -237,20 +235,10 @@ def slow_url(backend, keys):
                 os.environ.pop(k, None)
             else:
                 os.environ[k] = v
-    # A small send buffer on the listening socket (accepted sockets inherit it, and it turns off
-    # autotuning): a client that stops reading blocks the server's writes after kilobytes, not
-    # after the megabytes loopback would otherwise buffer.
-    sock = socket.socket()
-    sock.setsockopt(socket.SOL_SOCKET, socket.SO_SNDBUF, 8192)
-    sock.bind(("127.0.0.1", 0))
-    server = uvicorn.Server(uvicorn.Config(app, log_level="warning", lifespan="off"))
-    thread = threading.Thread(target=server.run, kwargs={"sockets": [sock]}, daemon=True)
-    thread.start()
-    deadline = time.monotonic() + 10
-    while not server.started:
-        assert time.monotonic() < deadline and thread.is_alive(), "uvicorn did not start"
-        time.sleep(0.01)
-    yield f"http://127.0.0.1:{sock.getsockname()[1]}"
+    # A small send buffer (it also turns off autotuning): a client that stops reading blocks the
+    # server's writes after kilobytes, not after the megabytes loopback would otherwise buffer.
+    url, server, thread = serve(app, send_buffer=8192)
+    yield url
     stop(server, thread)
 
 

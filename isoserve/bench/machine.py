@@ -58,3 +58,15 @@ def describe(facts: dict) -> str:
     return (f"{facts['nproc']} cores ({facts['cpu_model']}){memory}; Python {facts['python']}, "
             f"torch {facts['torch']}, transformers {facts['transformers']}; "
             f"isoserve {facts['isoserve_commit']}")
+
+
+def run_header(args, model: str) -> dict:
+    """What every offline run's JSON starts with: which run, when, what, where, with which sizes."""
+    import torch
+    from datetime import datetime, timezone
+    return {"label": args.label or "",
+            "date": datetime.now(timezone.utc).isoformat(timespec="seconds"),
+            "model": model, "dtype": args.dtype, "torch_threads": torch.get_num_threads(),
+            "machine": machine_facts(),
+            "prompt_tokens": args.prompt_tokens, "output_tokens": args.output_tokens,
+            "seed": args.seed}

@@ -8,9 +8,8 @@ from __future__ import annotations
 import os
 import random
 import time
-from datetime import datetime, timezone
 
-from isoserve.bench.machine import machine_facts
+from isoserve.bench.machine import run_header
 from isoserve.bench.workload import random_words
 
 WARMUP_PROMPTS, WARMUP_TOKENS = 2, 4
@@ -56,7 +55,6 @@ def build_peers(names: list[str], model: str, dtype: str, llm):
 
 def run_offline(args) -> dict:
     os.environ.setdefault("HF_HUB_OFFLINE", "1")  # before transformers reads it
-    import torch
     from tqdm.auto import tqdm
 
     from isoserve import LLM
@@ -86,15 +84,7 @@ def run_offline(args) -> dict:
                          / row[p.name]["output_tokens_per_s"] for p in chosen[1:]}
         rows.append(row)
     bar.close()
-    return {
-        "label": args.label or "",
-        "date": datetime.now(timezone.utc).isoformat(timespec="seconds"),
-        "model": model, "dtype": args.dtype, "torch_threads": torch.get_num_threads(),
-        "machine": machine_facts(),
-        "prompt_tokens": args.prompt_tokens, "output_tokens": args.output_tokens, "seed": args.seed,
-        "peers": [p.name for p in chosen],
-        "results": rows,
-    }
+    return {**run_header(args, model), "peers": [p.name for p in chosen], "results": rows}
 
 
 def table(run: dict) -> str:

@@ -14,9 +14,8 @@ from __future__ import annotations
 import os
 import statistics
 import time
-from datetime import datetime, timezone
 
-from isoserve.bench.machine import machine_facts
+from isoserve.bench.machine import run_header
 
 DEFAULT_PROMPT_TOKENS = 2000
 
@@ -60,7 +59,6 @@ def _time_llama_cpp(url: str, prompt: list[int]) -> dict:
 
 def run_prefill(args) -> dict:
     os.environ.setdefault("HF_HUB_OFFLINE", "1")
-    import torch
     from tqdm.auto import tqdm
 
     from isoserve import LLM
@@ -105,10 +103,7 @@ def run_prefill(args) -> dict:
     bar.close()
     base = results["isoserve"]["tokens_per_s"]
     return {
-        "label": args.label or "",
-        "date": datetime.now(timezone.utc).isoformat(timespec="seconds"),
-        "model": model, "dtype": args.dtype, "torch_threads": torch.get_num_threads(),
-        "machine": machine_facts(), "prompt_tokens": n, "repeats": args.repeats, "seed": args.seed,
+        **run_header(args, model), "prompt_tokens": n, "repeats": args.repeats,
         "llama_url": args.llama_url,
         "peers": list(results),
         "results": results,

@@ -21,11 +21,10 @@ from __future__ import annotations
 import os
 import statistics
 import time
-from datetime import datetime, timezone
 
 import torch
 
-from isoserve.bench.machine import machine_facts
+from isoserve.bench.machine import run_header
 
 SQUARE = 2048          # the large square matmul (n x n @ n x n)
 MATMUL_SECONDS = 0.2   # each shape is timed for at least this long
@@ -218,16 +217,9 @@ def run_roofline(args) -> dict:
                   f"{step * 1e3:.2f} ms = {step / ideal:.2f}x ideal ({measured['decode_steps']} steps)")
         bar.update()
     bar.close()
-    return {
-        "label": args.label or "",
-        "date": datetime.now(timezone.utc).isoformat(timespec="seconds"),
-        "model": model, "dtype": args.dtype, "torch_threads": torch.get_num_threads(),
-        "machine": machine_facts(),
-        "prompt_tokens": args.prompt_tokens, "output_tokens": args.output_tokens,
-        "context_tokens": context, "seed": args.seed,
-        "peak_flops": peak, "matmuls": matmuls, "bandwidth": bw, "model_costs": costs,
-        "results": rows,
-    }
+    return {**run_header(args, model), "context_tokens": context,
+            "peak_flops": peak, "matmuls": matmuls, "bandwidth": bw, "model_costs": costs,
+            "results": rows}
 
 
 HEADERS = ["batch", "weight MB", "KV MB", "GFLOP/step", "memory floor ms", "compute floor ms",
