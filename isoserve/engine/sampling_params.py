@@ -6,6 +6,9 @@ from dataclasses import dataclass, field
 from isoserve.errors import InvalidRequest
 
 MAX_LOGPROBS = 20
+# A positive temperature below this is sampled greedily, its limit: dividing logits by ~1e-300
+# overflows to inf and the distribution becomes NaN.
+MIN_TEMPERATURE = 1e-5
 
 
 @dataclass
@@ -40,7 +43,7 @@ class SamplingParams:
 
     @property
     def greedy(self) -> bool:
-        return self.temperature == 0 or self.top_k == 1
+        return self.temperature < MIN_TEMPERATURE or self.top_k == 1
 
     def to_dict(self) -> dict:
         return dict(max_tokens=self.max_tokens, temperature=self.temperature, top_p=self.top_p,

@@ -9,11 +9,14 @@ from __future__ import annotations
 import os
 from typing import Any
 
+from isoserve.engine.sampling_params import MIN_TEMPERATURE as ENGINE_MIN_TEMPERATURE
+
 # A prompt of a full 128k context as token ids in JSON is about 1 MiB; anything far bigger is
 # not a request we could serve, and reading it would only cost memory.
 MAX_BODY_BYTES = 8 * 2**20
-# A string prompt, or all of a chat's message contents together. Tokenizing runs on the event
-# loop; a million characters take well under a second and are far beyond any context we serve.
+# A string prompt, or all of a chat's message contents together. Tokenizing runs in the
+# server's tokenizer thread; a million characters take well under a second and are far beyond
+# any context we serve.
 MAX_PROMPT_CHARS = 1_000_000
 MAX_PROMPT_TOKEN_IDS = 1_048_576      # the longest context any model we load advertises
 MAX_TOKEN_ID = 2**31 - 1              # beyond any vocabulary; the served one is checked as well
@@ -23,9 +26,8 @@ MAX_NAME_CHARS = 256                  # `user`, a message's `name`, the model na
 MAX_STOP_SEQUENCES = 16               # OpenAI allows 4; vLLM clients often send more
 MAX_STOP_LENGTH = 256                 # each one is searched for after every token
 MAX_STOP_TOKEN_IDS = 256
-# A positive temperature below this is sampled greedily, its limit: dividing logits by ~1e-300
-# overflows to inf and the distribution becomes NaN.
-MIN_TEMPERATURE = 1e-5
+# A positive temperature below this is sampled greedily (the engine's rule, restated here).
+MIN_TEMPERATURE = ENGINE_MIN_TEMPERATURE
 
 # Slow clients. A client may take this long, from its request line on, to send the whole body;
 # then it gets 408 request_timeout and the connection is closed.
