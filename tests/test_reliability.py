@@ -130,6 +130,34 @@ def test_kill_prefill_worker_mid_transfer(tmp_path, model, tenants):
         probe_finds_nothing(server.base_url, keys, tmp_path)
 
 
+def test_a_long_step_is_not_a_dead_worker_and_a_stalled_worker_comes_back(tmp_path, model, tenants):
+    """Steps longer than the heartbeat timeout (a long prompt on one core) keep the worker in
+    service: its liveness thread answers. A worker that stops altogether (SIGSTOP) is marked
+    down and its requests end; when it answers again it drops what it held, registers again and
+    serves, without a restart."""
+    keys = tenants[1]
+    with serve(tmp_path, model, tenants, "--heartbeat-timeout", "1.5",
+               failpoints="worker.step_delay_ms=2500") as server:
+        name = model_name(server.base_url, keys["alice"])
+        assert completion(server.base_url, keys["alice"], body(name, "slow steps", 2, stream=False)).ok
+        assert "marked down" not in server.log()
+        stream = StreamingRequest(server.base_url, keys["bob"], body(name, "to be stalled", 40)).start()
+        wait_until(lambda: stream.outcome.tokens, 60, "the stream to start")
+        pid = worker_pid(server.base_url, keys["admin"], "decode")
+        os.kill(pid, signal.SIGSTOP)
+        stopped = time.monotonic()
+        try:
+            o = stream.join(30)
+            assert (o.code, o.done) == ("worker_unavailable", True) and o.ended_at - stopped < 5.0, o
+        finally:
+            os.kill(pid, signal.SIGCONT)
+        wait_until(lambda: any(w["pid"] == pid and w["state"] == "up"
+                               for w in admin_status(server.base_url, keys["admin"])["workers"]), 60,
+                   "the same decode process back in service", interval=0.5)
+        assert completion(server.base_url, keys["carol"], body(name, "after the stall", 2, stream=False)).ok
+        assert "asking it to register again" in server.log()
+
+
 # ==== backpressure ==============================================================================
 
 def test_429_when_queues_are_full_and_a_flood_does_not_starve_other_tenants(tmp_path, model, tenants):

@@ -48,6 +48,10 @@ class Role(ABC):
     def busy(self) -> bool:
         return False
 
+    def queued_request_ids(self) -> list[str]:
+        """Requests this role holds outside the engine (none, unless a role queues its own)."""
+        return []
+
     def poll_extra(self, events) -> None:
         pass
 
@@ -311,6 +315,9 @@ class DecodeRole(Role):
         seq.num_computed = len(seq.prompt_token_ids) - 1
         self.engine.scheduler.add_running(seq)
         return True
+
+    def queued_request_ids(self) -> list[str]:
+        return [rid for rid, *_ in self.waiting_for_pages]
 
     def _drop_waiting(self, request_id: str) -> None:
         self.waiting_for_pages = deque(w for w in self.waiting_for_pages if w[0] != request_id)

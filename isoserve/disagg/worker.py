@@ -10,6 +10,7 @@ from __future__ import annotations
 import logging
 import os
 import socket
+import threading
 import time
 from dataclasses import dataclass, field
 
@@ -26,6 +27,8 @@ from isoserve.errors import IsoserveError
 log = logging.getLogger("isoserve.worker")
 
 HEARTBEAT_S = 0.5
+# The router's name for a worker's liveness channel: its id with this suffix.
+ALIVE_SUFFIX = "/alive"
 
 
 @dataclass
@@ -58,6 +61,8 @@ class Worker:
         self.counters: dict[str, int] = {}
         self.registered = False
         self.stopping = False
+        self.loop_at = time.monotonic()  # when the main loop last went round
+        self._alive = threading.Thread(target=self._send_alive, name="isoserve-alive", daemon=True)
 
     # ---- sending ------------------------------------------------------------------------
     def send_router(self, kind: str, body: dict) -> None:
@@ -92,11 +97,29 @@ class Worker:
                 "waiting": len(self.engine.scheduler.waiting),
                 "counters": {**self.counters, **self.engine.stats.counters}}
 
+    def _send_alive(self) -> None:
+        """Liveness from its own thread and socket: a step can run longer than the router's
+        heartbeat timeout (a long prompt's prefill chunk on one core), and the main loop sends
+        its heartbeats only between steps. It reports how long ago the loop last went round,
+        so the router can still tell a stuck loop from a long step."""
+        sock = self.ctx.socket(zmq.DEALER)
+        sock.setsockopt(zmq.IDENTITY, (self.id + ALIVE_SUFFIX).encode())
+        sock.setsockopt(zmq.LINGER, 0)
+        sock.connect(self.opts.router)
+        signer = Signer(self.opts.secret, self.id + ALIVE_SUFFIX)
+        try:
+            while not self.stopping:
+                sock.send_multipart(signer.pack("alive", {"loop_age_s": time.monotonic() - self.loop_at}))
+                time.sleep(HEARTBEAT_S)
+        finally:
+            sock.close(0)
+
     def run(self) -> int:
         self.send_router("register", self.describe())
         log.info("worker %s (%s) registering with %s", self.id, self.opts.role, self.opts.router)
         last_beat = 0.0
         while not self.stopping:
+            self.loop_at = time.monotonic()
             busy = self.engine.has_work() or self.role.busy()
             events = dict(self.poller.poll(0 if busy else 20))
             if self.router in events:
@@ -112,6 +135,8 @@ class Worker:
             if now - last_beat >= HEARTBEAT_S:
                 self.send_router("heartbeat", self.stats())
                 last_beat = now
+        if self._alive.is_alive():
+            self._alive.join()
         self.router.close(0)
         self.role.close()
         self.ctx.term()
@@ -140,12 +165,16 @@ class Worker:
         body = msg.body
         if msg.kind == "registered":
             self.registered = True
+            if not self._alive.is_alive():  # only once admitted: before, it would look unknown
+                self._alive.start()
             log.info("worker %s admitted by the router", self.id)
         elif msg.kind == "refused":
             log.error("router refused worker %s: %s", self.id, body.get("reason"))
             self.stopping = True
         elif msg.kind == "abort":
             self.role.abort(body["request_id"])
+        elif msg.kind == "register_again":
+            self._register_again(body.get("reason", ""))
         elif msg.kind == "shutdown":
             self.stopping = True
         else:
@@ -160,6 +189,18 @@ class Worker:
                 log.exception("worker %s could not handle %s for request %r", self.id, msg.kind, rid)
                 if rid:
                     self.send_error(rid, IsoserveError(f"worker error: {type(e).__name__}"))
+
+    def _register_again(self, reason: str) -> None:
+        """The router took us out of service (or never knew us: it restarted). Whatever we hold
+        belongs to requests it has already ended: abort them all, then register afresh and be
+        audited like a new worker."""
+        held = list(self.engine.requests) + self.role.queued_request_ids()
+        log.warning("router asks worker %s to register again (%s): aborting %d request(s)",
+                    self.id, reason, len(held))
+        for rid in held:
+            self.role.abort(rid)
+        self.registered = False
+        self.send_router("register", self.describe())
 
     def send_error(self, request_id: str, error: IsoserveError) -> None:
         self.send_router("outputs", {"outputs": [error_to_wire(request_id, error)]})

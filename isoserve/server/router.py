@@ -18,6 +18,7 @@ import zmq.asyncio
 
 from isoserve.admission import check_prompt_fits, effective_prompt_limit
 from isoserve.disagg.wire import Signer, Unauthenticated
+from isoserve.disagg.worker import ALIVE_SUFFIX
 from isoserve.engine.deadlines import Deadlines
 from isoserve.engine.engine import RequestOutput
 from isoserve.engine.sequence import TokenLogprob
@@ -28,6 +29,9 @@ from isoserve.server.backend import GenerationRequest
 log = logging.getLogger("isoserve.router")
 
 HEARTBEAT_TIMEOUT_S = 5.0
+# A worker whose process answers but whose loop has not gone round for this long is stuck, not
+# busy: no step of a model we serve takes minutes.
+STUCK_AFTER_S = 120.0
 # Workers enforce the generation deadline; the router waits this much longer before it ends a
 # request itself, so a worker that hangs while still sending heartbeats cannot hang a client.
 DEADLINE_BACKSTOP_S = 5.0
@@ -50,6 +54,8 @@ class WorkerInfo:
     stats: dict = field(default_factory=dict)
     in_flight: set = field(default_factory=set)
     counters_seen: dict = field(default_factory=dict)
+    loop_age_s: float = 0.0          # from its liveness thread: since its loop last went round
+    asked_to_register: bool = False  # down but alive: told to abort everything and register
 
 
 @dataclass
@@ -83,6 +89,7 @@ class Router:
         self.workers: dict[str, WorkerInfo] = {}
         self.streams: dict[str, asyncio.Queue] = {}
         self.registered = asyncio.Event()
+        self._asked_to_register: set[str] = set()  # unknown live workers told to register
         self._tasks: list[asyncio.Task] = []
         self.ctx = zmq.asyncio.Context()
         self.sock = self.ctx.socket(zmq.ROUTER)
@@ -253,12 +260,15 @@ class Router:
 
     def _handle(self, identity: str, msg) -> None:
         b = msg.body
+        if identity.endswith(ALIVE_SUFFIX):
+            self._on_alive(identity.removesuffix(ALIVE_SUFFIX), b)
+            return
         if msg.kind == "register":
             self._register(identity, b)
             return
         worker = self.workers.get(identity)
         if worker is None:
-            return  # not registered (or forgotten): ignore until it registers
+            return  # not registered: its liveness messages get it to register (_on_alive)
         worker.last_seen = time.monotonic()
         if msg.kind == "heartbeat":
             self._on_heartbeat(worker, b)
@@ -278,6 +288,7 @@ class Router:
         if b.get("worker_id") != identity:
             self.metrics.count_rejected_message("router")
             return
+        self._asked_to_register.discard(identity)
         previous = self.workers.get(identity)
         if previous is not None and previous.state == "up":
             self.mark_down(identity, "registered again (it restarted)")
@@ -300,6 +311,26 @@ class Router:
                      identity, info.role, info.pid, info.host, info.pool_tokens, info.pool_pages)
             self._send(info, "registered", {})
         self.metrics.set_worker_up(identity, info.role, info.state == "up")
+
+    def _on_alive(self, worker_id: str, b: dict) -> None:
+        """A worker's liveness thread. A worker we do not know (this router restarted), or one
+        we marked down while it was alive (a stall), is told to drop what it holds and register
+        again, which puts it through the capacity audit before it serves again."""
+        worker = self.workers.get(worker_id)
+        if worker is None or worker.state == "down":
+            asked = worker_id in self._asked_to_register if worker is None else worker.asked_to_register
+            if not asked:  # once: a second request could arrive after it is back, and end its work
+                log.warning("worker %s is alive but %s: asking it to register again", worker_id,
+                            "unknown to this router" if worker is None else "out of service")
+                self.sock.send_multipart([worker_id.encode(), *self.signer.pack(
+                    "register_again", {"reason": "unknown" if worker is None else "marked down"})])
+                if worker is None:
+                    self._asked_to_register.add(worker_id)
+                else:
+                    worker.asked_to_register = True
+            return
+        worker.last_seen = time.monotonic()
+        worker.loop_age_s = float(b.get("loop_age_s", 0.0))
 
     def _on_heartbeat(self, worker: WorkerInfo, stats: dict) -> None:
         worker.stats = stats
@@ -325,8 +356,12 @@ class Router:
             await asyncio.sleep(0.5)
             now = time.monotonic()
             for w in list(self.workers.values()):
-                if w.state == "up" and now - w.last_seen > self.settings.heartbeat_timeout_s:
+                if w.state != "up":
+                    continue
+                if now - w.last_seen > self.settings.heartbeat_timeout_s:
                     self.mark_down(w.id, f"missed heartbeats for {now - w.last_seen:.1f} s")
+                elif w.loop_age_s > STUCK_AFTER_S:
+                    self.mark_down(w.id, f"its loop has not gone round for {w.loop_age_s:.0f} s")
 
     def mark_down(self, worker_id: str, why: str) -> None:
         """Take a worker out of service: no new requests go to it, and each of its requests in
