@@ -66,9 +66,10 @@ def build_parser() -> argparse.ArgumentParser:
     limits.add_argument("--queue-timeout", type=float, default=120.0,
                         help="seconds a request may wait before work on it begins: 503 queue_timeout "
                              "(default 120)")
-    limits.add_argument("--transfer-timeout", type=float, default=60.0,
-                        help="seconds a decode worker waits for a request's KV beyond the queueing "
-                             "allowance: kv_transfer_incomplete (default 60)")
+    limits.add_argument("--transfer-timeout", type=float, default=180.0,
+                        help="seconds a decode worker waits for a request's KV after reserving its "
+                             "pages, prefill queueing included (keep it above --queue-timeout): "
+                             "kv_transfer_incomplete (default 180)")
     limits.add_argument("--generation-timeout", type=float, default=900.0,
                         help="seconds from arrival to the last token: 504 generation_timeout (default 900)")
     bounds = serve.add_argument_group("backpressure (beyond these, 429 with Retry-After)")
@@ -100,8 +101,8 @@ def build_parser() -> argparse.ArgumentParser:
                         help="decode: where prefill workers send KV, e.g. tcp://10.0.0.5:7200")
     worker.add_argument("--kv-tokens", type=int, default=None, help="KV pool in tokens")
     worker.add_argument("--kv-memory-gb", type=float, default=None, help="KV pool in GiB")
-    worker.add_argument("--transfer-timeout", type=float, default=60.0,
-                        help="seconds to wait for a request's KV beyond its queueing allowance")
+    worker.add_argument("--transfer-timeout", type=float, default=180.0,
+                        help="seconds to wait for a request's KV after reserving its pages")
     worker.add_argument("--threads", type=int, default=None, help="torch threads (default: all cores)")
 
     check = sub.add_parser("check-config", help="audit pool sizes against the context, without serving")

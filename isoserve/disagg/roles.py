@@ -213,10 +213,9 @@ class DecodeRole(Role):
         params = SamplingParams(**b["params"])  # validated before anything is held
         deadlines = Deadlines.from_wire(b.get("deadlines"))
         self.worker.admit(len(b["prompt_token_ids"]), params.max_tokens)
-        # The KV comes after the prompt waits its turn at a prefill worker and is computed there:
-        # the transfer deadline starts where the queueing allowance ends.
-        self.deadlines[b["request_id"]] = (time.monotonic() + (deadlines.queue_s or 0.0)
-                                           + self.worker.opts.transfer_timeout_s)
+        # Counted from the reservation: it covers the prompt's wait at a prefill worker and its
+        # prefill there, so it is set above the queueing deadline (see --transfer-timeout).
+        self.deadlines[b["request_id"]] = time.monotonic() + self.worker.opts.transfer_timeout_s
         self.waiting_for_pages.append((b["request_id"], b["prompt_token_ids"], params, deadlines))
         self._reserve_waiting()
 
