@@ -207,14 +207,20 @@ class Router:
                 worker.in_flight.add(rid)
                 self._send(worker, "generate", body)
             else:
-                decode, prefill = self._pick("decode"), self._pick("prefill")
-                involved += [decode, prefill]
+                self._pick("prefill")  # none up: refuse now, before reserving any pages
+                decode = self._pick("decode")
+                involved.append(decode)
                 decode.in_flight.add(rid)
                 self._send(decode, "reserve", body)
                 first = await next_output()
                 if not isinstance(first, _Reserved):
                     yield first  # the decode worker refused it: an explicit error
                     return
+                # Picked only now: a prefill worker that went down while the pages were being
+                # reserved would never get the message, and the request would wait for its
+                # transfer deadline instead of failing over (found by the soak).
+                prefill = self._pick("prefill")
+                involved.append(prefill)
                 prefill.in_flight.add(rid)
                 self._send(prefill, "prefill", {**body, "decode_endpoint": decode.kv_endpoint,
                                                 "deadlines": deadlines.remaining(started).to_wire()})
