@@ -453,6 +453,8 @@ class Soak:
             self.t0 = time.monotonic()
             self.issuing = True
             loop = asyncio.get_running_loop()
+            # Where the loop cannot take signal handlers (not Unix, or not the main thread),
+            # Ctrl-C keeps Python's default: the soak stops without its report.
             with contextlib.suppress(NotImplementedError, RuntimeError, ValueError):
                 loop.add_signal_handler(signal.SIGINT, self._interrupt)
             watchers: list[asyncio.Task] = []
