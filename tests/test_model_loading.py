@@ -14,6 +14,7 @@ import torch
 from safetensors.torch import load_file, save_file
 from transformers import AutoModelForCausalLM
 
+from isoserve.model import int4
 from isoserve.model.loader import default_cache_dir, load_checkpoint
 from isoserve.model.registry import DEFAULT_MODEL, resolve_model
 from tiny_models import make_tiny_gguf, make_tiny_llama
@@ -86,12 +87,31 @@ def test_smollm2_config_matches_known_facts(smollm2):
     assert cfg.kv_bytes_per_token(2) == 23040  # the 22.5 KiB per token of the design notes
 
 
+def _parameters(weights: dict) -> dict:
+    return {n: w for n, w in weights.items() if not n.endswith(int4.COMPANIONS)}
+
+
 def test_weights_have_hf_names_and_requested_dtype(smollm2):
-    weights = smollm2[0].weights
+    weights = _parameters(smollm2[0].weights)
     assert "lm_head.weight" not in weights  # tied: the model reuses the embedding
     assert weights["model.embed_tokens.weight"].shape == (49152, 576)
     assert weights["model.layers.29.self_attn.k_proj.weight"].shape == (192, 576)
     assert all(w.dtype == torch.float32 for w in weights.values())
+
+
+def test_q4_1_projections_keep_their_blocks_and_they_give_the_same_weights(smollm2):
+    # Every projection of the default model is Q4_1 in its GGUF (the embedding is Q8_0). Its
+    # companions are the file's own codes, d and m: d * q + m is the dequantized weight, bit
+    # for bit, Q/K rows in Hugging Face order included.
+    weights = smollm2[0].weights
+    projections = [n for n in _parameters(weights) if n.endswith("_proj.weight")]
+    assert len(projections) == 30 * 7
+    assert not int4.has_companions(weights, "model.embed_tokens.weight")
+    for name in projections:
+        assert int4.has_companions(weights, name), name
+        codes = int4.unpack_codes(weights[name + int4.CODES]).float()
+        d, m = (weights[name + s].float().repeat_interleave(int4.GROUP, dim=1) for s in (int4.SCALE, int4.MIN))
+        assert torch.equal(d * codes + m, weights[name]), name
 
 
 def test_second_load_is_served_from_cache_with_identical_tensors(smollm2):
@@ -125,7 +145,7 @@ def test_tokenizer_round_trips_text_and_has_chat_template(smollm2):
 @pytest.mark.parametrize("layer", [0, 14, 29])
 def test_gguf_weights_match_transformers_gguf_loader(smollm2, transformers_smollm2_state, layer):
     ours, theirs = smollm2[0].weights, transformers_smollm2_state
-    names = [n for n in ours if n.startswith(f"model.layers.{layer}.")]
+    names = [n for n in _parameters(ours) if n.startswith(f"model.layers.{layer}.")]
     assert len(names) == 9
     for name in names + ["model.embed_tokens.weight", "model.norm.weight"]:
         torch.testing.assert_close(ours[name], theirs[name], msg=name)
@@ -136,8 +156,11 @@ def test_bfloat16_is_cached_separately_and_matches_float32(smollm2, cache_dir):
     second = load_checkpoint(DEFAULT_MODEL, torch.bfloat16, cache_dir)
     assert not first.from_cache and second.from_cache
     for name, tensor in smollm2[0].weights.items():
-        assert first.weights[name].dtype == torch.bfloat16
-        assert torch.equal(first.weights[name], tensor.to(torch.bfloat16)), name
+        if name.endswith(int4.COMPANIONS):  # the file's blocks, whatever the compute dtype
+            assert torch.equal(first.weights[name], tensor), name
+        else:
+            assert first.weights[name].dtype == torch.bfloat16
+            assert torch.equal(first.weights[name], tensor.to(torch.bfloat16)), name
         assert torch.equal(second.weights[name], first.weights[name]), name
 
 

@@ -55,9 +55,10 @@ def make_tiny_llama(path: Path, *, num_heads: int = 4, num_kv_heads: int = 2, hi
     return path
 
 
-def make_tiny_gguf(path: Path, hf_folder: Path) -> Path:
+def make_tiny_gguf(path: Path, hf_folder: Path, *, q4_1: bool = False) -> Path:
     """An F32 GGUF of a make_tiny_llama folder, written as llama.cpp's convert_hf_to_gguf.py does:
-    its metadata keys, gguf's own tensor name map, and Q/K rows permuted for llama.cpp's RoPE."""
+    its metadata keys, gguf's own tensor name map, and Q/K rows permuted for llama.cpp's RoPE.
+    With q4_1, the layers' projections are quantized to Q4_1 as in the default model's GGUF."""
     cfg = json.loads((hf_folder / "config.json").read_text())
     heads, kv_heads, layers = cfg["num_attention_heads"], cfg["num_key_value_heads"], cfg["num_hidden_layers"]
     writer = gguf.GGUFWriter(path, "llama")
@@ -81,7 +82,12 @@ def make_tiny_gguf(path: Path, hf_folder: Path) -> Path:
             array = _llama_cpp_permute(array, heads, heads)
         elif base.endswith("k_proj"):
             array = _llama_cpp_permute(array, heads, kv_heads)
-        writer.add_tensor(f"{names.get_name(base)}.{suffix}", array)
+        if q4_1 and ".layers." in base and base.endswith("_proj") and suffix == "weight":
+            writer.add_tensor(f"{names.get_name(base)}.{suffix}",
+                              gguf.quants.quantize(array, gguf.GGMLQuantizationType.Q4_1),
+                              raw_dtype=gguf.GGMLQuantizationType.Q4_1)
+        else:
+            writer.add_tensor(f"{names.get_name(base)}.{suffix}", array)
     writer.write_header_to_file()
     writer.write_kv_data_to_file()
     writer.write_tensors_to_file()

@@ -9,10 +9,11 @@ from pathlib import Path
 
 import numpy as np
 import torch
-from gguf import GGUFReader
+from gguf import GGMLQuantizationType, GGUFReader
 from gguf.quants import dequantize
 from tqdm import tqdm
 
+from isoserve.model import int4
 from isoserve.model.config import ModelConfig
 
 SUPPORTED_ARCHITECTURES = ("llama", "qwen2")
@@ -41,19 +42,30 @@ _REQUIRED = object()
 
 
 def read_gguf(path: Path, dtype: torch.dtype) -> tuple[ModelConfig, dict[str, torch.Tensor]]:
+    """Dequantized weights in `dtype`; a Q4_1 projection also keeps its blocks as int4 companions."""
     reader = GGUFReader(path)
     config = _read_config(reader)
     weights = {}
     for tensor in tqdm(reader.tensors, desc=f"Dequantizing {path.name}", unit="tensor"):
         name = _hf_name(tensor.name)
-        weight = _dequantize(tensor)
-        if config.architecture in _QK_PERMUTED:
-            if ".self_attn.q_proj." in name:
-                weight = _undo_rope_permutation(weight, config.num_heads)
-            elif ".self_attn.k_proj." in name:
-                weight = _undo_rope_permutation(weight, config.num_kv_heads)
-        weights[name] = weight.to(dtype)
+        tensors = {name: _dequantize(tensor).to(dtype)}
+        if tensor.tensor_type == GGMLQuantizationType.Q4_1 and ".layers." in name:
+            rows, cols = tensors[name].shape
+            parts = int4.split_q4_1(tensor.data, rows, cols)
+            tensors |= {name + suffix: part for suffix, part in zip(int4.COMPANIONS, parts)}
+        for key, value in tensors.items():
+            weights[key] = _hf_row_order(config, name, value)
     return config, weights
+
+
+def _hf_row_order(config: ModelConfig, name: str, rows: torch.Tensor) -> torch.Tensor:
+    """Q and K rows (of a weight, a bias or a weight's int4 companions) in Hugging Face order."""
+    if config.architecture in _QK_PERMUTED:
+        if ".self_attn.q_proj." in name:
+            return _undo_rope_permutation(rows, config.num_heads)
+        if ".self_attn.k_proj." in name:
+            return _undo_rope_permutation(rows, config.num_kv_heads)
+    return rows
 
 
 def _read_config(reader: GGUFReader) -> ModelConfig:

@@ -12,6 +12,7 @@ import torch.nn.functional as F
 
 from isoserve.kv.pool import KVPool
 from isoserve.model.config import ModelConfig
+from isoserve.model.int4 import COMPANIONS, Int4Weight, Projection, has_companions
 from isoserve.model.paged_attention import StepAttention, paged_attention, write_kv
 from isoserve.model.rope import RotaryEmbedding, apply_rotary
 
@@ -19,25 +20,38 @@ from isoserve.model.rope import RotaryEmbedding, apply_rotary
 @dataclass
 class LayerWeights:
     input_norm: torch.Tensor
-    qkv: torch.Tensor
-    qkv_bias: torch.Tensor | None
-    o: torch.Tensor
+    qkv: Projection
+    o: Projection
     post_norm: torch.Tensor
-    gate_up: torch.Tensor
-    down: torch.Tensor
+    gate_up: Projection
+    down: Projection
 
 
 class LlamaModel:
     def __init__(self, cfg: ModelConfig, weights: dict[str, torch.Tensor], dtype: torch.dtype,
-                 device: torch.device | str = "cpu", max_positions: int | None = None):
+                 device: torch.device | str = "cpu", max_positions: int | None = None,
+                 int4_max_rows: int = 0):
+        """int4_max_rows: steps of at most this many tokens multiply by the int4 companions of
+        Q4_1 weights (model/int4.py), where the checkpoint has them; bfloat16 on CPU only."""
         self.cfg = cfg
         self.dtype = dtype
         self.device = torch.device(device)
+        if dtype != torch.bfloat16 or self.device.type != "cpu":
+            int4_max_rows = 0
 
         def w(name: str) -> torch.Tensor:
             if name not in weights:
                 raise ValueError(f"checkpoint has no tensor {name!r}")
             return weights[name].to(device=self.device, dtype=dtype).contiguous()
+
+        def projection(names: list[str], bias: torch.Tensor | None = None) -> Projection:
+            """One matmul for the projections in `names`, stacked by output rows."""
+            full = torch.cat([w(n) for n in names]).contiguous()
+            packed = None
+            if int4_max_rows and all(has_companions(weights, n) for n in names):
+                packed = Int4Weight.from_companions(
+                    [tuple(weights[n + s] for s in COMPANIONS) for n in names], dtype)
+            return Projection(full, bias, packed, int4_max_rows)
 
         self.embed = w("model.embed_tokens.weight")
         self.final_norm = w("model.norm.weight")
@@ -51,13 +65,14 @@ class LlamaModel:
                 bias = torch.cat([w(p + f"self_attn.{x}_proj.bias") for x in "qkv"])
             self.layers.append(LayerWeights(
                 input_norm=w(p + "input_layernorm.weight"),
-                qkv=torch.cat([w(n) for n in qkv_names]).contiguous(),
-                qkv_bias=bias,
-                o=w(p + "self_attn.o_proj.weight"),
+                qkv=projection(qkv_names, bias),
+                o=projection([p + "self_attn.o_proj.weight"]),
                 post_norm=w(p + "post_attention_layernorm.weight"),
-                gate_up=torch.cat([w(p + "mlp.gate_proj.weight"), w(p + "mlp.up_proj.weight")]).contiguous(),
-                down=w(p + "mlp.down_proj.weight"),
+                gate_up=projection([p + "mlp.gate_proj.weight", p + "mlp.up_proj.weight"]),
+                down=projection([p + "mlp.down_proj.weight"]),
             ))
+        self.int4_projections = sum(proj.int4 is not None for layer in self.layers
+                                    for proj in (layer.qkv, layer.o, layer.gate_up, layer.down))
         self.rope = RotaryEmbedding(cfg, max_positions or cfg.max_position_embeddings, dtype, self.device)
         self.scale = cfg.head_dim ** -0.5
         self._q_size = cfg.num_heads * cfg.head_dim
@@ -73,19 +88,19 @@ class LlamaModel:
         cos, sin = self.rope.tables(positions)
         for i, layer in enumerate(self.layers):
             h = _rms_norm(x, layer.input_norm, cfg.rms_norm_eps)
-            qkv = F.linear(h, layer.qkv, layer.qkv_bias)
-            q, k, v = qkv.split([self._q_size, self._kv_size, self._kv_size], dim=-1)
-            q = q.view(-1, cfg.num_heads, cfg.head_dim)
-            k = k.view(-1, cfg.num_kv_heads, cfg.head_dim)
+            qkv = layer.qkv(h)
+            qk, v = qkv.split([self._q_size + self._kv_size, self._kv_size], dim=-1)
+            # Q and K heads are adjacent in the merged projection: one rotation serves both.
+            qk = apply_rotary(qk.reshape(-1, cfg.num_heads + cfg.num_kv_heads, cfg.head_dim), cos, sin)
+            q, k = qk.split([cfg.num_heads, cfg.num_kv_heads], dim=1)
             v = v.view(-1, cfg.num_kv_heads, cfg.head_dim)
-            q, k = apply_rotary(q, k, cos, sin)
             k_cache, v_cache = pool.layer_cache(i)
             write_kv(k_cache, v_cache, k, v, attn)
             a = paged_attention(q, k_cache, v_cache, attn, self.scale)
-            x = x + F.linear(a.reshape(-1, self._q_size), layer.o)
+            x = x + layer.o(a.reshape(-1, self._q_size))
             h = _rms_norm(x, layer.post_norm, cfg.rms_norm_eps)
-            gate, up = F.linear(h, layer.gate_up).chunk(2, dim=-1)
-            x = x + F.linear(F.silu(gate) * up, layer.down)
+            gate, up = layer.gate_up(h).chunk(2, dim=-1)
+            x = x + layer.down(F.silu(gate) * up)
         x = _rms_norm(x[logits_rows], self.final_norm, cfg.rms_norm_eps)
         return F.linear(x, self.lm_head).float()
 

@@ -20,6 +20,7 @@ import torch
 from safetensors.torch import load_file, save_file
 from transformers import PreTrainedTokenizerFast
 
+from isoserve.model import int4
 from isoserve.model.config import ModelConfig
 from isoserve.model.gguf_loader import read_gguf
 from isoserve.model.hf_loader import read_hf_checkpoint
@@ -29,7 +30,7 @@ from isoserve.model.tokenizer import load_tokenizer
 log = logging.getLogger("isoserve.model")
 
 # Part of every cache key: bump it when the conversion changes so old entries are never read.
-CACHE_FORMAT = 1
+CACHE_FORMAT = 2  # 2: Q4_1 projections keep int4 companions
 # A temp folder this old was left by a crashed writer (a conversion takes seconds).
 _STALE_TEMP_SECONDS = 3600
 
@@ -39,7 +40,8 @@ class Checkpoint:
     name: str
     source: ModelSource
     config: ModelConfig
-    weights: dict[str, torch.Tensor]  # Hugging Face Llama names; no lm_head when tied
+    weights: dict[str, torch.Tensor]  # Hugging Face Llama names; no lm_head when tied; int4
+                                      # companions (model/int4.py) of a GGUF's Q4_1 projections
     tokenizer: PreTrainedTokenizerFast
     from_cache: bool = False  # True when a GGUF's converted weights came from the cache
 
@@ -121,6 +123,9 @@ def _write_cache_entry(entry: Path, config: ModelConfig, weights: dict[str, torc
 def _check_weights(config: ModelConfig, weights: dict[str, torch.Tensor]) -> None:
     """Fail at load time, naming the tensors, rather than deep inside the first forward pass."""
     expected = _expected_shapes(config)
+    for name, shape in list(expected.items()):
+        if ".layers." in name and len(shape) == 2 and any(name + s in weights for s in int4.COMPANIONS):
+            expected |= {name + suffix: s for suffix, s in int4.companion_shapes(*shape).items()}
     problems = [f"missing {n}" for n in expected if n not in weights]
     problems += [f"unexpected {n}" for n in weights if n not in expected]
     problems += [f"{n} has shape {tuple(weights[n].shape)}, expected {shape}"

@@ -50,9 +50,9 @@ class RotaryEmbedding:
                 self.sin.index_select(0, positions).unsqueeze(1))
 
 
-def apply_rotary(q: torch.Tensor, k: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor):
-    """q: [T, H, D], k: [T, H_kv, D] rotated by each token's position."""
-    return q * cos + _rotate_half(q) * sin, k * cos + _rotate_half(k) * sin
+def apply_rotary(x: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor) -> torch.Tensor:
+    """x: [T, heads, D] (query and key heads alike) rotated by each token's position."""
+    return x * cos + _rotate_half(x) * sin
 
 
 def _rotate_half(x: torch.Tensor) -> torch.Tensor:

@@ -23,7 +23,7 @@ def _engine_config(args, *, kv_tokens=None, kv_memory_gb=None) -> EngineConfig:
                         kv_tokens=kv_tokens,
                         kv_memory_bytes=int(kv_memory_gb * GIB) if kv_memory_gb else None,
                         max_num_seqs=args.max_num_seqs, max_batched_tokens=args.max_batched_tokens,
-                        scrub_freed_pages=args.scrub_freed_pages,
+                        scrub_freed_pages=args.scrub_freed_pages, int4_max_rows=args.int4_max_rows,
                         disabled_guards=args.disabled_guards, cache_dir=args.cache_dir)
 
 
@@ -131,7 +131,7 @@ def _worker_command(args, role: str, index: int, router: str, kv_endpoint: str, 
            "--role", role, "--router", router, "--worker-id", f"{role}-{index}",
            "--model", args.model, "--dtype", args.dtype, "--device", args.device,
            "--page-size", str(args.page_size), "--max-num-seqs", str(args.max_num_seqs),
-           "--max-batched-tokens", str(args.max_batched_tokens),
+           "--max-batched-tokens", str(args.max_batched_tokens), "--int4-max-rows", str(args.int4_max_rows),
            "--transfer-timeout", str(args.transfer_timeout), "--threads", str(threads)]
     if args.context_length:
         cmd += ["--context-length", str(args.context_length)]

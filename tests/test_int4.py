@@ -1,0 +1,112 @@
+"""The int4 path for small decode steps: a GGUF's Q4_1 blocks multiplied by torch's int4 kernel.
+
+Real files throughout: a tiny random Llama written as a Q4_1 GGUF (as llama.cpp's converter
+would quantize it) and the packaged SmolLM2 GGUF.
+"""
+from __future__ import annotations
+
+import pytest
+import torch
+import torch.nn.functional as F
+
+from isoserve.engine.llm import LLM
+from isoserve.engine.sampling_params import SamplingParams
+from isoserve.model import int4
+from isoserve.model.llama import LlamaModel
+from isoserve.model.loader import load_checkpoint
+from tiny_models import make_tiny_gguf
+
+PROJECTIONS = ("self_attn.q_proj", "self_attn.k_proj", "self_attn.v_proj", "self_attn.o_proj",
+               "mlp.gate_proj", "mlp.up_proj", "mlp.down_proj")
+
+
+@pytest.fixture(scope="module")
+def tiny_q4_1(tmp_path_factory, tiny_llama_dir):
+    return make_tiny_gguf(tmp_path_factory.mktemp("tiny-q4") / "tiny-q4_1.gguf", tiny_llama_dir, q4_1=True)
+
+
+@pytest.fixture(scope="module")
+def tiny_checkpoint(tiny_q4_1, tmp_path_factory):
+    return load_checkpoint(str(tiny_q4_1), torch.bfloat16, tmp_path_factory.mktemp("cache"))
+
+
+def _exact(weights, name) -> torch.Tensor:
+    """The weight as the file defines it, d * q + m in float32."""
+    codes = int4.unpack_codes(weights[name + int4.CODES]).float()
+    d, m = (weights[name + s].float().repeat_interleave(int4.GROUP, dim=1) for s in (int4.SCALE, int4.MIN))
+    return d * codes + m
+
+
+def test_every_q4_1_projection_gets_companions_that_give_its_weights(tiny_q4_1, tmp_path):
+    # In float32 the dequantized weight is exact, so the companions must reproduce it bit for bit,
+    # Q and K rows (4 query heads, 2 KV heads, permuted by the converter) included.
+    weights = load_checkpoint(str(tiny_q4_1), torch.float32, tmp_path).weights
+    for layer in range(2):
+        for proj in PROJECTIONS:
+            name = f"model.layers.{layer}.{proj}.weight"
+            assert torch.equal(_exact(weights, name), weights[name]), name
+    assert not int4.has_companions(weights, "model.embed_tokens.weight")  # F32 in this file
+
+
+def test_int4_matmul_is_as_close_to_the_exact_product_as_bfloat16(tiny_checkpoint):
+    weights = tiny_checkpoint.weights
+    name = "model.layers.1.mlp.down_proj.weight"
+    packed = int4.Int4Weight.from_companions([tuple(weights[name + s] for s in int4.COMPANIONS)], torch.bfloat16)
+    x = torch.randn(6, weights[name].shape[1], generator=torch.Generator().manual_seed(0)).to(torch.bfloat16)
+    exact = x.float() @ _exact(weights, name).t()
+    err_int4 = (packed.matmul(x).float() - exact).abs().max()
+    err_bf16 = (F.linear(x, weights[name]).float() - exact).abs().max()
+    # Both round to bfloat16 (the output; int4 also its scale and zero): the same order of error.
+    assert err_int4 <= 4 * err_bf16 + 1e-3, (err_int4, err_bf16)
+    assert err_int4 < 0.02 * exact.abs().max()
+
+
+def test_projection_uses_int4_up_to_its_row_limit_and_bfloat16_above(tiny_checkpoint):
+    weights = tiny_checkpoint.weights
+    names = [f"model.layers.0.mlp.{p}.weight" for p in ("gate_proj", "up_proj")]  # merged, like the model
+    packed = int4.Int4Weight.from_companions(
+        [tuple(weights[n + s] for s in int4.COMPANIONS) for n in names], torch.bfloat16)
+    full = torch.cat([weights[n] for n in names])
+    proj = int4.Projection(full, None, packed, int4_max_rows=4)
+    x = torch.randn(5, full.shape[1]).to(torch.bfloat16)
+    assert torch.equal(proj(x[:4]), packed.matmul(x[:4]))
+    assert torch.equal(proj(x), F.linear(x, full))
+    off = int4.Projection(full, None, packed, int4_max_rows=0)
+    assert off.int4 is None and torch.equal(off(x[:1]), F.linear(x[:1], full))
+
+
+def test_model_takes_the_int4_path_only_in_bfloat16_on_cpu_with_companions(tiny_checkpoint, tiny_q4_1,
+                                                                           tiny_llama_dir, tmp_path):
+    def model(ckpt, dtype, rows=8):
+        return LlamaModel(ckpt.config, ckpt.weights, dtype, int4_max_rows=rows)
+
+    assert model(tiny_checkpoint, torch.bfloat16).int4_projections == 2 * 4  # qkv, o, gate_up, down
+    assert model(tiny_checkpoint, torch.bfloat16, rows=0).int4_projections == 0
+    f32 = load_checkpoint(str(tiny_q4_1), torch.float32, tmp_path)
+    assert model(f32, torch.float32).int4_projections == 0
+    hf = load_checkpoint(str(tiny_llama_dir), torch.bfloat16)  # safetensors: nothing to take blocks from
+    assert model(hf, torch.bfloat16).int4_projections == 0
+
+
+def test_default_model_gives_the_same_greedy_text_with_and_without_int4(isoserve_cache):
+    # The int4 path multiplies by the file's own weights, so it must not change what the model
+    # says: the same greedy tokens, and logprobs within bfloat16's own noise. Where the two
+    # paths pick different tokens, it must be a near tie, and the texts part there.
+    prompts = ["The capital of France is", "def fibonacci(n):", "Write a haiku about rain.",
+               "List three prime numbers:"]
+    params = SamplingParams(max_tokens=24, temperature=0.0, ignore_eos=True, logprobs=3)
+    results = {}
+    for rows in (8, 0):
+        llm = LLM(dtype="bfloat16", int4_max_rows=rows, cache_dir=str(isoserve_cache))
+        assert (llm.engine.model.int4_projections > 0) == (rows > 0)
+        results[rows] = [llm.generate([p], params)[0] for p in prompts]  # batch 1: the int4 path
+    same = 0
+    for with_int4, without in zip(results[8], results[0]):
+        for a, b in zip(with_int4.logprobs, without.logprobs):
+            if a.token_id != b.token_id:
+                margin = a.logprob - dict(a.top).get(b.token_id, min(lp for _, lp in a.top))
+                assert margin < 0.1, (margin, with_int4.text, without.text)
+                break
+            assert abs(a.logprob - b.logprob) < 0.1, (a, b)
+            same += 1
+    assert same >= 0.75 * len(prompts) * params.max_tokens, same
