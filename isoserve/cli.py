@@ -19,9 +19,9 @@ def _engine_args(p: argparse.ArgumentParser) -> None:
     p.add_argument("--max-num-seqs", type=int, default=64, help="sequences decoded together at most")
     p.add_argument("--max-batched-tokens", type=int, default=512,
                    help="tokens per engine step; longer prompts are prefilled in chunks")
-    p.add_argument("--int4-max-rows", type=int, default=8, metavar="N",
+    p.add_argument("--int4-max-rows", type=int, default=4, metavar="N",
                    help="steps of at most N tokens multiply by the GGUF's own 4-bit (Q4_1) weights "
-                        "instead of bfloat16: faster small decode batches (default 8; 0 = off; "
+                        "instead of bfloat16: faster small decode batches (default 4; 0 = off; "
                         "bfloat16 on CPU only)")
     p.add_argument("--scrub-freed-pages", action="store_true",
                    help="zero KV pages when they are freed (defense in depth; costs time)")

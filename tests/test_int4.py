@@ -13,6 +13,7 @@ from isoserve.engine.llm import LLM
 from isoserve.engine.sampling_params import SamplingParams
 from isoserve.model import int4
 from isoserve.model.llama import LlamaModel
+from isoserve.model.projection import Projection
 from isoserve.model.loader import load_checkpoint
 from tiny_models import make_tiny_gguf
 
@@ -61,18 +62,33 @@ def test_int4_matmul_is_as_close_to_the_exact_product_as_bfloat16(tiny_checkpoin
     assert err_int4 < 0.02 * exact.abs().max()
 
 
-def test_projection_uses_int4_up_to_its_row_limit_and_bfloat16_above(tiny_checkpoint):
+def test_projection_uses_int4_up_to_its_row_limit_and_packed_bfloat16_above(tiny_checkpoint):
     weights = tiny_checkpoint.weights
     names = [f"model.layers.0.mlp.{p}.weight" for p in ("gate_proj", "up_proj")]  # merged, like the model
     packed = int4.Int4Weight.from_companions(
         [tuple(weights[n + s] for s in int4.COMPANIONS) for n in names], torch.bfloat16)
     full = torch.cat([weights[n] for n in names])
-    proj = int4.Projection(full, None, packed, int4_max_rows=4)
+    proj = Projection(full, None, packed, int4_max_rows=4)
+    assert proj.packed is not None  # oneDNN's blocked copy of the weight, on every CPU torch build
     x = torch.randn(5, full.shape[1]).to(torch.bfloat16)
     assert torch.equal(proj(x[:4]), packed.matmul(x[:4]))
-    assert torch.equal(proj(x), F.linear(x, full))
-    off = int4.Projection(full, None, packed, int4_max_rows=0)
-    assert off.int4 is None and torch.equal(off(x[:1]), F.linear(x[:1], full))
+    reference = F.linear(x, full)
+    torch.testing.assert_close(proj(x), reference, rtol=1e-2, atol=1e-2 * reference.abs().max().item())
+    off = Projection(full, None, packed, int4_max_rows=0)
+    assert off.int4 is None
+    torch.testing.assert_close(off(x[:1]), reference[:1], rtol=1e-2, atol=1e-2 * reference.abs().max().item())
+
+
+@pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])
+@pytest.mark.parametrize("rows", [1, 7, 33])
+def test_packed_projection_matches_f_linear(dtype, rows):
+    g = torch.Generator().manual_seed(rows)
+    weight, bias = torch.randn(96, 64, generator=g).to(dtype), torch.randn(96, generator=g).to(dtype)
+    x = torch.randn(rows, 64, generator=g).to(dtype)
+    proj = Projection(weight, bias)
+    assert proj.packed is not None and proj.weight is None
+    tol = {torch.float32: 1e-5, torch.bfloat16: 2e-2}[dtype]
+    torch.testing.assert_close(proj(x), F.linear(x, weight, bias), rtol=tol, atol=tol * 8)
 
 
 def test_model_takes_the_int4_path_only_in_bfloat16_on_cpu_with_companions(tiny_checkpoint, tiny_q4_1,
@@ -88,25 +104,33 @@ def test_model_takes_the_int4_path_only_in_bfloat16_on_cpu_with_companions(tiny_
     assert model(hf, torch.bfloat16).int4_projections == 0
 
 
-def test_default_model_gives_the_same_greedy_text_with_and_without_int4(isoserve_cache):
-    # The int4 path multiplies by the file's own weights, so it must not change what the model
-    # says: the same greedy tokens, and logprobs within bfloat16's own noise. Where the two
-    # paths pick different tokens, it must be a near tie, and the texts part there.
+def _agreement(run, reference) -> tuple[int, float]:
+    """Greedy tokens `run` shares with `reference` from the start, and the largest chosen-token
+    logprob difference over them."""
+    same, worst = 0, 0.0
+    for a, b in zip(run.logprobs, reference.logprobs):
+        if a.token_id != b.token_id:
+            break
+        same, worst = same + 1, max(worst, abs(a.logprob - b.logprob))
+    return same, worst
+
+
+def test_default_model_with_int4_is_as_faithful_as_bfloat16(isoserve_cache):
+    # The int4 path multiplies by the file's own weights, rounding only scale and zero to
+    # bfloat16; the bfloat16 path rounds every weight. Against the exact weights (float32),
+    # the int4 path must be no less faithful than bfloat16: as many greedy tokens in common,
+    # and logprob errors of the same size (both ~0.1 nat at worst on this model).
     prompts = ["The capital of France is", "def fibonacci(n):", "Write a haiku about rain.",
                "List three prime numbers:"]
     params = SamplingParams(max_tokens=24, temperature=0.0, ignore_eos=True, logprobs=3)
-    results = {}
-    for rows in (8, 0):
-        llm = LLM(dtype="bfloat16", int4_max_rows=rows, cache_dir=str(isoserve_cache))
-        assert (llm.engine.model.int4_projections > 0) == (rows > 0)
-        results[rows] = [llm.generate([p], params)[0] for p in prompts]  # batch 1: the int4 path
-    same = 0
-    for with_int4, without in zip(results[8], results[0]):
-        for a, b in zip(with_int4.logprobs, without.logprobs):
-            if a.token_id != b.token_id:
-                margin = a.logprob - dict(a.top).get(b.token_id, min(lp for _, lp in a.top))
-                assert margin < 0.1, (margin, with_int4.text, without.text)
-                break
-            assert abs(a.logprob - b.logprob) < 0.1, (a, b)
-            same += 1
-    assert same >= 0.75 * len(prompts) * params.max_tokens, same
+    runs = {}
+    for name, options in {"float32": {"dtype": "float32"},
+                          "int4": {"dtype": "bfloat16", "int4_max_rows": 4},
+                          "bfloat16": {"dtype": "bfloat16", "int4_max_rows": 0}}.items():
+        llm = LLM(cache_dir=str(isoserve_cache), **options)
+        assert (llm.engine.model.int4_projections > 0) == (name == "int4")
+        runs[name] = [llm.generate([p], params)[0] for p in prompts]  # batch 1: the int4 path
+    int4 = [_agreement(r, ref) for r, ref in zip(runs["int4"], runs["float32"])]
+    bf16 = [_agreement(r, ref) for r, ref in zip(runs["bfloat16"], runs["float32"])]
+    assert sum(s for s, _ in int4) >= sum(s for s, _ in bf16) - params.max_tokens // 2, (int4, bf16)
+    assert max(w for _, w in int4) <= 1.5 * max(w for _, w in bf16) + 0.05, (int4, bf16)

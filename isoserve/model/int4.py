@@ -8,7 +8,7 @@ dimension, so scale = d and zero = m + 8 d. The codes are the file's own: this p
 quantization; only scale and zero are rounded to bfloat16, the dtype the kernel takes them in.
 
 For batches of more rows the kernel is compute-bound and slower than a bfloat16 matmul, so the
-model keeps both forms and `Projection` picks one per call by the number of rows.
+model keeps both forms and `Projection` (model/projection.py) picks one per call by rows.
 
 In the checkpoint a Q4_1 weight `X.weight` has three companions (see COMPANIONS): its codes
 packed two per byte (even column in the low nibble), and d and m as float16, [N, K / 32] each.
@@ -19,7 +19,6 @@ from dataclasses import dataclass
 
 import numpy as np
 import torch
-import torch.nn.functional as F
 
 GROUP = 32                 # weights per Q4_1 block, and the kernel's group size
 CODES, SCALE, MIN = ".q4_codes", ".q4_scale", ".q4_min"
@@ -70,24 +69,6 @@ class Int4Weight:
     def matmul(self, x: torch.Tensor) -> torch.Tensor:
         """x [M, K] @ W^T -> [M, N]."""
         return torch._weight_int4pack_mm_for_cpu(x, self.packed, GROUP, self.scale_zero)
-
-
-class Projection:
-    """y = x W^T (+ b), from the 4-bit form for steps of at most `int4_max_rows` rows and from
-    the full-precision weight otherwise."""
-
-    def __init__(self, weight: torch.Tensor, bias: torch.Tensor | None = None,
-                 int4: Int4Weight | None = None, int4_max_rows: int = 0):
-        self.weight = weight
-        self.bias = bias
-        self.int4 = int4 if int4_max_rows > 0 else None
-        self.int4_max_rows = int4_max_rows
-
-    def __call__(self, x: torch.Tensor) -> torch.Tensor:
-        if self.int4 is not None and x.shape[0] <= self.int4_max_rows:
-            y = self.int4.matmul(x)
-            return y if self.bias is None else y + self.bias
-        return F.linear(x, self.weight, self.bias)
 
 
 def _pack(codes: torch.Tensor) -> torch.Tensor:

@@ -12,7 +12,8 @@ import torch.nn.functional as F
 
 from isoserve.kv.pool import KVPool
 from isoserve.model.config import ModelConfig
-from isoserve.model.int4 import COMPANIONS, Int4Weight, Projection, has_companions
+from isoserve.model.int4 import COMPANIONS, Int4Weight, has_companions
+from isoserve.model.projection import Projection
 from isoserve.model.paged_attention import StepAttention, paged_attention, write_kv
 from isoserve.model.rope import RotaryEmbedding, apply_rotary
 
@@ -55,7 +56,7 @@ class LlamaModel:
 
         self.embed = w("model.embed_tokens.weight")
         self.final_norm = w("model.norm.weight")
-        self.lm_head = self.embed if cfg.tie_word_embeddings else w("lm_head.weight")
+        self.lm_head = Projection(self.embed if cfg.tie_word_embeddings else w("lm_head.weight"))
         self.layers = []
         for i in range(cfg.num_layers):
             p = f"model.layers.{i}."
@@ -102,7 +103,7 @@ class LlamaModel:
             gate, up = layer.gate_up(h).chunk(2, dim=-1)
             x = x + layer.down(F.silu(gate) * up)
         x = _rms_norm(x[logits_rows], self.final_norm, cfg.rms_norm_eps)
-        return F.linear(x, self.lm_head).float()
+        return self.lm_head(x).float()
 
 
 def _rms_norm(x: torch.Tensor, weight: torch.Tensor, eps: float) -> torch.Tensor:
