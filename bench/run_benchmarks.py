@@ -440,7 +440,10 @@ def part_roofline(run: Run) -> str:
             f"FLOPs / peak FLOP/s; ideal = the larger. isoserve: the engine (guards on) decoding B "
             f"prompts to exactly {p.output_tokens} tokens each, the median `engine.step()` over the "
             f"steps in which all B decode (scheduling, guard, forward, sampling and detokenizing "
-            f"included).\n\n" + md_table(roofline.HEADERS, [roofline.cells(r) for r in data["results"]]))
+            f"included). Read guard: its own time within those steps, the median per step, and "
+            f"its share of their total: what the guard costs a decode step. (With B <= "
+            f"`--int4-max-rows`, 4, the step reads the GGUF's 4-bit blocks, ~123 MB instead of the "
+            f"bf16 weights the floor counts.)\n\n" + md_table(roofline.HEADERS, [roofline.cells(r) for r in data["results"]]))
     return section("Roofline: ideal vs measured decode step (issue 6)", run, [run.show(cmd)], body)
 
 

@@ -8,6 +8,7 @@ import subprocess
 from pathlib import Path
 
 import pytest
+import torch
 
 from isoserve.cli import main as isoserve_main
 
@@ -36,6 +37,7 @@ def test_roofline_reports_every_field(tiny_llama_dir, tmp_path, capsys):
             assert row[key] > 0, key
         assert row["ideal_s"] == max(row["memory_floor_s"], row["compute_floor_s"])
         assert row["isoserve"]["decode_steps"] >= 1
+        assert row["isoserve"]["guard_seconds_median"] > 0 and 0 < row["isoserve"]["guard_share"] < 1
     one, two = data["results"]
     assert two["flops"] == pytest.approx(2 * one["flops"])  # FLOPs grow with the batch ...
     assert two["weight_bytes"] == one["weight_bytes"]        # ... the weights read do not
@@ -46,3 +48,18 @@ def test_build_llama_server_script_is_valid_bash():
     result = subprocess.run(["bash", "-n", str(script)], capture_output=True, text=True)
     assert result.returncode == 0, result.stderr
     assert "set -euo pipefail" in script.read_text()
+
+
+def test_model_costs_count_parameters_not_their_int4_companions(tiny_llama_dir):
+    from isoserve.bench.roofline import model_costs
+    from isoserve.model import int4
+    from isoserve.model.loader import load_checkpoint
+
+    ckpt = load_checkpoint(str(tiny_llama_dir), torch.bfloat16)
+    plain = model_costs(ckpt.config, ckpt.weights, torch.bfloat16)
+    name = "model.layers.0.mlp.down_proj.weight"
+    rows, cols = ckpt.weights[name].shape
+    with_blocks = dict(ckpt.weights)
+    for suffix, shape in int4.companion_shapes(rows, cols).items():
+        with_blocks[name + suffix] = torch.zeros(shape, dtype=torch.uint8)
+    assert model_costs(ckpt.config, with_blocks, torch.bfloat16) == plain

@@ -25,6 +25,7 @@ import time
 import torch
 
 from isoserve.bench.machine import run_header
+from isoserve.model import int4
 
 SQUARE = 2048          # the large square matmul (n x n @ n x n)
 MATMUL_SECONDS = 0.2   # each shape is timed for at least this long
@@ -73,7 +74,10 @@ def measure_bandwidth(nbytes: int, repeats: int = BANDWIDTH_REPEATS) -> dict:
 # ---- the model ---------------------------------------------------------------------------------
 
 def model_costs(config, weights: dict[str, torch.Tensor], dtype: torch.dtype) -> dict:
-    """Parameters a decode step multiplies by and the weight bytes it reads, from a checkpoint."""
+    """Parameters a decode step multiplies by and the weight bytes it reads, from a checkpoint,
+    in `dtype`: the floor of a step that reads every weight in that dtype. (The int4 path of
+    small steps reads the Q4_1 companions instead, which are left out here.)"""
+    weights = {n: t for n, t in weights.items() if not n.endswith(int4.COMPANIONS)}
     elem = torch.empty((), dtype=dtype).element_size()
     embed = weights["model.embed_tokens.weight"].numel()
     matmul = sum(t.numel() for name, t in weights.items() if t.dim() == 2 and name != "model.embed_tokens.weight")
@@ -106,27 +110,37 @@ def decode_shapes(config, batch: int) -> list[tuple[int, int, int]]:
 
 def measure_decode_steps(engine, prompts: list[list[int]], output_tokens: int) -> dict:
     """Run the prompts to exactly output_tokens new tokens each; time every engine.step() and keep
-    the steps in which all of them decoded one token."""
+    the steps in which all of them decoded one token. The read guard's own time within each
+    step is timed too: its share of the step is what the guard costs."""
     from isoserve import SamplingParams
 
     scheduled: list[list[int]] = []
-    schedule = engine.scheduler.schedule
+    guard_times: list[float] = []
+    schedule, guard = engine.scheduler.schedule, engine.runner.guard
 
     def recording_schedule():
         chunks = schedule()
         scheduled.append([c.num_tokens for c in chunks])
         return chunks
 
-    engine.scheduler.schedule = recording_schedule  # this engine only, and only while we measure
+    def timed_guard(chunks):
+        t0 = time.perf_counter()
+        try:
+            return guard(chunks)
+        finally:
+            guard_times.append(time.perf_counter() - t0)
+
+    # This engine only, and only while we measure.
+    engine.scheduler.schedule, engine.runner.guard = recording_schedule, timed_guard
     params = SamplingParams(max_tokens=output_tokens, temperature=0.0, ignore_eos=True)
     ids = [f"roofline-{len(prompts)}-{i}" for i in range(len(prompts))]
     try:
         for rid, prompt in zip(ids, prompts):
             engine.add_request(rid, prompt, params)
-        decode_times, all_times, finished, errors = [], [], 0, []
+        decode_times, decode_guard_times, all_times, finished, errors = [], [], [], 0, []
         started = time.perf_counter()
         while finished < len(prompts):
-            before = len(scheduled)
+            before, guards_before = len(scheduled), len(guard_times)
             t0 = time.perf_counter()
             outputs = engine.step()
             dt = time.perf_counter() - t0
@@ -135,6 +149,7 @@ def measure_decode_steps(engine, prompts: list[list[int]], output_tokens: int) -
                 all_times.append(dt)
                 if len(chunks) == len(prompts) and all(n == 1 for n in chunks):
                     decode_times.append(dt)
+                    decode_guard_times.append(sum(guard_times[guards_before:]))
             for out in outputs:
                 if out.finished:
                     finished += 1
@@ -142,7 +157,7 @@ def measure_decode_steps(engine, prompts: list[list[int]], output_tokens: int) -
                         errors.append(str(out.error))
         total = time.perf_counter() - started
     finally:
-        engine.scheduler.schedule = schedule
+        engine.scheduler.schedule, engine.runner.guard = schedule, guard
     if errors:
         raise RuntimeError(f"isoserve failed {len(errors)} request(s): {errors[0]}")
     if not decode_times:
@@ -150,7 +165,9 @@ def measure_decode_steps(engine, prompts: list[list[int]], output_tokens: int) -
     return {"steps": len(all_times), "decode_steps": len(decode_times),
             "step_seconds_median": statistics.median(decode_times),
             "step_seconds_mean": statistics.fmean(decode_times),
-            "step_seconds_min": min(decode_times), "total_seconds": total}
+            "step_seconds_min": min(decode_times), "total_seconds": total,
+            "guard_seconds_median": statistics.median(decode_guard_times),
+            "guard_share": sum(decode_guard_times) / sum(decode_times)}
 
 
 # ---- the command -------------------------------------------------------------------------------
@@ -223,7 +240,8 @@ def run_roofline(args) -> dict:
 
 
 HEADERS = ["batch", "weight MB", "KV MB", "GFLOP/step", "memory floor ms", "compute floor ms",
-           "ideal ms", "isoserve ms", "isoserve / ideal", "isoserve / memory floor"]
+           "ideal ms", "isoserve ms", "isoserve / ideal", "isoserve / memory floor", "read guard ms",
+           "read guard share"]
 
 
 def cells(row: dict) -> list[str]:
@@ -231,7 +249,8 @@ def cells(row: dict) -> list[str]:
             f"{row['flops'] / 1e9:.2f}", f"{row['memory_floor_s'] * 1e3:.2f}",
             f"{row['compute_floor_s'] * 1e3:.2f}", f"{row['ideal_s'] * 1e3:.2f}",
             f"{row['measured_s'] * 1e3:.2f}", f"{row['measured_over_ideal']:.2f}x",
-            f"{row['measured_over_memory_floor']:.2f}x"]
+            f"{row['measured_over_memory_floor']:.2f}x",
+            f"{row['isoserve']['guard_seconds_median'] * 1e3:.3f}", f"{row['isoserve']['guard_share']:.2%}"]
 
 
 def table(run: dict) -> str:
