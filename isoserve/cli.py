@@ -17,7 +17,7 @@ def _engine_args(p: argparse.ArgumentParser) -> None:
     p.add_argument("--page-size", type=int, default=16, help="tokens per KV page (default 16)")
     p.add_argument("--context-length", type=int, default=None, help="default: the model's")
     p.add_argument("--max-num-seqs", type=int, default=64, help="sequences decoded together at most")
-    p.add_argument("--max-batched-tokens", type=int, default=512,
+    p.add_argument("--max-batched-tokens", type=int, default=2048,
                    help="tokens per engine step; longer prompts are prefilled in chunks")
     p.add_argument("--int4-max-rows", type=int, default=4, metavar="N",
                    help="steps of at most N tokens multiply by the GGUF's own 4-bit (Q4_1) weights "

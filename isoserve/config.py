@@ -39,7 +39,10 @@ class EngineConfig:
     kv_memory_bytes: int | None = None   # ... or as a memory budget; default: 2 x context length
     context_length: int | None = None    # default: the model's
     max_num_seqs: int = 64
-    max_batched_tokens: int = 512
+    # Tokens per step, so the prefill chunk. 2,000-token prompts were 18% faster in one chunk
+    # than in chunks of 512 (each chunk gathers the prompt's KV again); a bigger chunk delays
+    # the decodes sharing its step, which in disaggregated serving run on another worker.
+    max_batched_tokens: int = 2048
     scrub_freed_pages: bool = False
     # Steps of at most this many tokens use a GGUF's own Q4_1 blocks through torch's int4 kernel
     # (bfloat16 on CPU; 0 turns it off): 4-bit weights make the projections of a one-sequence
