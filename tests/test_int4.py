@@ -31,13 +31,6 @@ def tiny_checkpoint(tiny_q4_1, tmp_path_factory):
     return load_checkpoint(str(tiny_q4_1), torch.bfloat16, tmp_path_factory.mktemp("cache"))
 
 
-def _exact(weights, name) -> torch.Tensor:
-    """The weight as the file defines it, d * q + m in float32."""
-    codes = int4.unpack_codes(weights[name + int4.CODES]).float()
-    d, m = (weights[name + s].float().repeat_interleave(int4.GROUP, dim=1) for s in (int4.SCALE, int4.MIN))
-    return d * codes + m
-
-
 def test_every_q4_1_projection_gets_companions_that_give_its_weights(tiny_q4_1, tmp_path):
     # In float32 the dequantized weight is exact, so the companions must reproduce it bit for bit,
     # Q and K rows (4 query heads, 2 KV heads, permuted by the converter) included.
@@ -45,7 +38,7 @@ def test_every_q4_1_projection_gets_companions_that_give_its_weights(tiny_q4_1, 
     for layer in range(2):
         for proj in PROJECTIONS:
             name = f"model.layers.{layer}.{proj}.weight"
-            assert torch.equal(_exact(weights, name), weights[name]), name
+            assert torch.equal(int4.dequantize(weights, name), weights[name]), name
     assert not int4.has_companions(weights, "model.embed_tokens.weight")  # F32 in this file
 
 
@@ -54,7 +47,7 @@ def test_int4_matmul_is_as_close_to_the_exact_product_as_bfloat16(tiny_checkpoin
     name = "model.layers.1.mlp.down_proj.weight"
     packed = int4.Int4Weight.from_companions([tuple(weights[name + s] for s in int4.COMPANIONS)], torch.bfloat16)
     x = torch.randn(6, weights[name].shape[1], generator=torch.Generator().manual_seed(0)).to(torch.bfloat16)
-    exact = x.float() @ _exact(weights, name).t()
+    exact = x.float() @ int4.dequantize(weights, name).t()
     err_int4 = (packed.matmul(x).float() - exact).abs().max()
     err_bf16 = (F.linear(x, weights[name]).float() - exact).abs().max()
     # Both round to bfloat16 (the output; int4 also its scale and zero): the same order of error.

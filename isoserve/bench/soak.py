@@ -24,7 +24,6 @@ isoserve one. That is why the soak refuses any base URL that is not loopback.
 from __future__ import annotations
 
 import asyncio
-import contextlib
 import ipaddress
 import os
 import random
@@ -32,6 +31,7 @@ import re
 import signal
 import socket
 import sys
+import threading
 import time
 import urllib.parse
 from collections import Counter
@@ -453,9 +453,11 @@ class Soak:
             self.t0 = time.monotonic()
             self.issuing = True
             loop = asyncio.get_running_loop()
-            # Where the loop cannot take signal handlers (not Unix, or not the main thread),
-            # Ctrl-C keeps Python's default: the soak stops without its report.
-            with contextlib.suppress(NotImplementedError, RuntimeError, ValueError):
+            # asyncio takes signal handlers only on Unix, in the main thread. Elsewhere (a soak
+            # started from a test's worker thread, say) Ctrl-C keeps Python's default: the soak
+            # stops without its report.
+            handles_sigint = sys.platform != "win32" and threading.current_thread() is threading.main_thread()
+            if handles_sigint:
                 loop.add_signal_handler(signal.SIGINT, self._interrupt)
             watchers: list[asyncio.Task] = []
             helpers = [asyncio.create_task(self._progress())]
@@ -473,7 +475,7 @@ class Soak:
                 else:
                     load_task.result()
             finally:
-                with contextlib.suppress(NotImplementedError, RuntimeError, ValueError):
+                if handles_sigint:
                     loop.remove_signal_handler(signal.SIGINT)
                 self.issuing = False
                 last_issue = max((r.start for r in self.records), default=0.0)

@@ -45,6 +45,13 @@ def has_companions(weights: dict[str, torch.Tensor], name: str) -> bool:
     return all(name + suffix in weights for suffix in COMPANIONS)
 
 
+def dequantize(weights: dict[str, torch.Tensor], name: str) -> torch.Tensor:
+    """The weight `name` as its companions define it, d * q + m in float32."""
+    codes = unpack_codes(weights[name + CODES]).float()
+    d, m = (weights[name + s].float().repeat_interleave(GROUP, dim=1) for s in (SCALE, MIN))
+    return d * codes + m
+
+
 @dataclass
 class Int4Weight:
     packed: torch.Tensor       # torch's CPU int4 layout of the codes

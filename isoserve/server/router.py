@@ -55,7 +55,6 @@ class WorkerInfo:
     in_flight: set = field(default_factory=set)
     counters_seen: dict = field(default_factory=dict)
     loop_age_s: float = 0.0          # from its liveness thread: since its loop last went round
-    asked_to_register: bool = False  # down but alive: told to abort everything and register
 
 
 @dataclass
@@ -89,7 +88,8 @@ class Router:
         self.workers: dict[str, WorkerInfo] = {}
         self.streams: dict[str, asyncio.Queue] = {}
         self.registered = asyncio.Event()
-        self._asked_to_register: set[str] = set()  # unknown live workers told to register
+        # Live workers told to register again (unknown to us, or marked down); until they do.
+        self._asked_to_register: set[str] = set()
         self._tasks: list[asyncio.Task] = []
         self.ctx = zmq.asyncio.Context()
         self.sock = self.ctx.socket(zmq.ROUTER)
@@ -324,16 +324,12 @@ class Router:
         again, which puts it through the capacity audit before it serves again."""
         worker = self.workers.get(worker_id)
         if worker is None or worker.state == "down":
-            asked = worker_id in self._asked_to_register if worker is None else worker.asked_to_register
-            if not asked:  # once: a second request could arrive after it is back, and end its work
+            if worker_id not in self._asked_to_register:  # once: a second request could arrive
+                self._asked_to_register.add(worker_id)    # after it is back, and end its work
                 log.warning("worker %s is alive but %s: asking it to register again", worker_id,
                             "unknown to this router" if worker is None else "out of service")
                 self.sock.send_multipart([worker_id.encode(), *self.signer.pack(
                     "register_again", {"reason": "unknown" if worker is None else "marked down"})])
-                if worker is None:
-                    self._asked_to_register.add(worker_id)
-                else:
-                    worker.asked_to_register = True
             return
         worker.last_seen = time.monotonic()
         worker.loop_age_s = float(b.get("loop_age_s", 0.0))
