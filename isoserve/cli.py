@@ -23,6 +23,9 @@ def _engine_args(p: argparse.ArgumentParser) -> None:
                    help="steps of at most N tokens multiply by the GGUF's own 4-bit (Q4_1) weights "
                         "instead of bfloat16: faster small decode batches (default 4; 0 = off; "
                         "bfloat16 on CPU only)")
+    p.add_argument("--no-fused-kernels", dest="fused_kernels", action="store_false",
+                   help="run the work between matmuls as torch ops instead of the fused CPU kernels "
+                        "(isoserve/kernels; for comparison: both paths compute the same)")
     p.add_argument("--scrub-freed-pages", action="store_true",
                    help="zero KV pages when they are freed (defense in depth; costs time)")
     p.add_argument("--unsafe-disable-guard", default="", metavar="NAME[,NAME...]",

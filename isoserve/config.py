@@ -49,6 +49,9 @@ class EngineConfig:
     # step ~2.5x cheaper than prepacked bfloat16; from 5 rows on, bfloat16 is faster.
     # See model/projection.py.
     int4_max_rows: int = 4
+    # Norms, RoPE + KV write, decode attention and SwiGLU as fused CPU kernels (isoserve/kernels)
+    # where they build; torch ops otherwise. See model/layer_ops.py.
+    fused_kernels: bool = True
     disabled_guards: frozenset[str] = field(default_factory=frozenset)
     cache_dir: str | None = None
 

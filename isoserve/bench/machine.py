@@ -60,6 +60,11 @@ def describe(facts: dict) -> str:
             f"isoserve {facts['isoserve_commit']}")
 
 
+def layers_note(run: dict) -> str:
+    """For a table's title: said only when isoserve ran without its fused kernels."""
+    return "" if run.get("fused_kernels", True) else ", isoserve's layers as torch ops"
+
+
 def run_header(args, model: str) -> dict:
     """What every offline run's JSON starts with: which run, when, what, where, with which sizes."""
     import torch
@@ -67,6 +72,7 @@ def run_header(args, model: str) -> dict:
     return {"label": args.label or "",
             "date": datetime.now(timezone.utc).isoformat(timespec="seconds"),
             "model": model, "dtype": args.dtype, "torch_threads": torch.get_num_threads(),
+            "fused_kernels": getattr(args, "fused_kernels", True),
             "machine": machine_facts(),
             "prompt_tokens": args.prompt_tokens, "output_tokens": args.output_tokens,
             "seed": args.seed}

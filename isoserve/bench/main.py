@@ -55,6 +55,9 @@ def add_arguments(p: argparse.ArgumentParser) -> None:
     offline.add_argument("--dtype", default="bfloat16", choices=["bfloat16", "float32"])
     offline.add_argument("--batch", type=_int_list, default=[1, 8, 32], metavar="B[,B...]",
                          help="prompts generated together (default 1,8,32)")
+    offline.add_argument("--no-fused-kernels", dest="fused_kernels", action="store_false",
+                         help="isoserve's layers as torch ops instead of the fused CPU kernels "
+                              "(offline, roofline and prefill modes)")
     offline.add_argument("--peers", type=_name_list, default=["transformers"], metavar="NAME[,NAME...]",
                          help="transformers (default) and/or generate_batch (continuous batching)")
 

@@ -9,7 +9,7 @@ import os
 import random
 import time
 
-from isoserve.bench.machine import run_header
+from isoserve.bench.machine import layers_note, run_header
 from isoserve.bench.workload import random_words
 
 WARMUP_PROMPTS, WARMUP_TOKENS = 2, 4
@@ -60,7 +60,7 @@ def run_offline(args) -> dict:
     from isoserve import LLM
 
     model = args.model or "smollm2-135m-instruct"
-    llm = LLM(model=model, dtype=args.dtype)
+    llm = LLM(model=model, dtype=args.dtype, fused_kernels=args.fused_kernels)
     chosen = build_peers(args.peers, model, args.dtype, llm)
     prompts = prompt_ids(llm.tokenizer, max(args.batch), args.prompt_tokens, args.seed)
     for peer in chosen:
@@ -92,7 +92,7 @@ def table(run: dict) -> str:
     header = f"{'batch':>5} {'isoserve tok/s':>15}" + "".join(
         f" {p + ' tok/s':>20} {'ratio':>6}" for p in others)
     lines = [f"== offline: {run['model']} {run['dtype']}, {run['prompt_tokens']}-token prompts, "
-             f"{run['output_tokens']} new tokens, {run['torch_threads']} threads ==", header]
+             f"{run['output_tokens']} new tokens, {run['torch_threads']} threads{layers_note(run)} ==", header]
     for row in run["results"]:
         line = f"{row['batch']:>5} {row['isoserve']['output_tokens_per_s']:>15.1f}"
         for p in others:

@@ -15,7 +15,7 @@ import os
 import statistics
 import time
 
-from isoserve.bench.machine import run_header
+from isoserve.bench.machine import layers_note, run_header
 
 DEFAULT_PROMPT_TOKENS = 2000
 
@@ -68,7 +68,7 @@ def run_prefill(args) -> dict:
 
     model = args.model or "smollm2-135m-instruct"
     n = args.prompt_tokens
-    llm = LLM(model=model, dtype=args.dtype)
+    llm = LLM(model=model, dtype=args.dtype, fused_kernels=args.fused_kernels)
     prompts = prompt_ids(llm.tokenizer, args.repeats + 1, n, args.seed)  # [0] warms up
     peers = {"isoserve": lambda p: _time_isoserve(llm, p)}
     if "transformers" in args.peers:
@@ -114,7 +114,7 @@ def run_prefill(args) -> dict:
 
 def table(run: dict) -> str:
     lines = [f"== prefill: {run['model']} {run['dtype']}, one {run['prompt_tokens']}-token prompt, "
-             f"{run['torch_threads']} threads, median of {run['repeats']} ==",
+             f"{run['torch_threads']} threads{layers_note(run)}, median of {run['repeats']} ==",
              f"{'engine':>12} {'prompt tok/s':>13} {'ms':>9} {'isoserve / it':>14}"]
     for name, r in run["results"].items():
         ratio = "" if name == "isoserve" else f"{run['ratios']['isoserve/' + name]:.2f}x"

@@ -24,7 +24,7 @@ import time
 
 import torch
 
-from isoserve.bench.machine import run_header
+from isoserve.bench.machine import layers_note, run_header
 from isoserve.model import int4
 
 SQUARE = 2048          # the large square matmul (n x n @ n x n)
@@ -207,7 +207,8 @@ def run_roofline(args) -> dict:
     bar.update()
 
     costs = model_costs(cfg, ckpt.weights, dtype)
-    engine = Engine(EngineConfig(model=model, dtype=args.dtype, max_num_seqs=max(64, max(batches))),
+    engine = Engine(EngineConfig(model=model, dtype=args.dtype, max_num_seqs=max(64, max(batches)),
+                                 fused_kernels=args.fused_kernels),
                     checkpoint=ckpt)
     prompts = prompt_ids(engine.tokenizer, max(batches), args.prompt_tokens, args.seed)
     measure_decode_steps(engine, prompts[:2], 3)  # warm-up
@@ -255,7 +256,7 @@ def cells(row: dict) -> list[str]:
 
 def table(run: dict) -> str:
     widths = [max(len(h), 8) for h in HEADERS]
-    lines = [f"== roofline: {run['model']} {run['dtype']}, {run['torch_threads']} threads; "
+    lines = [f"== roofline: {run['model']} {run['dtype']}, {run['torch_threads']} threads{layers_note(run)}; "
              f"{run['peak_flops'] / 1e12:.3f} TFLOP/s, {run['bandwidth']['bytes_per_s'] / 1e9:.1f} GB/s; "
              f"context {run['context_tokens']:.0f} tokens ==",
              " ".join(h.rjust(w) for h, w in zip(HEADERS, widths))]

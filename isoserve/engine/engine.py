@@ -66,7 +66,8 @@ class Engine:
         self.pool = KVPool(ckpt.config, num_pages, config.page_size, dtype, config.device)
         self.allocator = PageAllocator(self.pool, scrub_freed_pages=config.scrub_freed_pages)
         self.model = LlamaModel(ckpt.config, ckpt.weights, dtype, config.device,
-                                max_positions=self.context_length, int4_max_rows=config.int4_max_rows)
+                                max_positions=self.context_length, int4_max_rows=config.int4_max_rows,
+                                fused_kernels=config.fused_kernels)
         self.scheduler = Scheduler(self.allocator, config.page_size, config.max_num_seqs,
                                    config.max_batched_tokens)
         self.runner = ModelRunner(self.model, self.pool,
@@ -80,14 +81,19 @@ class Engine:
         self._arrivals = itertools.count()
         self._pending_outputs: list[RequestOutput] = []
         log.info("engine ready: model=%s dtype=%s device=%s pool=%d pages x %d tokens = %d tokens "
-                 "(%.1f MiB) context=%d int4=%s (%.1fs)", self.model_name, config.dtype, config.device,
+                 "(%.1f MiB) context=%d int4=%s layers=%s (%.1fs)", self.model_name, config.dtype, config.device,
                  num_pages, config.page_size, self.pool.capacity_tokens, self.pool.nbytes / 2**20,
-                 self.context_length, self._int4_summary(config), time.perf_counter() - t0)
+                 self.context_length, self._int4_summary(config), self._ops_summary(),
+                 time.perf_counter() - t0)
 
     def _int4_summary(self, config: EngineConfig) -> str:
         if not self.model.int4_projections:
             return "off"
         return f"{self.model.int4_projections} projections for steps of <= {config.int4_max_rows} tokens"
+
+    def _ops_summary(self) -> str:
+        note = self.model.ops_note
+        return self.model.ops.name + (f" ({note})" if note else "")
 
     # ---- limits -------------------------------------------------------------------------
     @property

@@ -106,26 +106,20 @@ class ModelRunner:
                 logits_rows.append(row + n - 1)
                 samplers.append(s)
         pos = torch.tensor(positions, dtype=torch.int64)
-        decode_pages, decode_bias = self._decode_tables(decode_tables, decode_lens)
         attn = StepAttention(write_slots=torch.tensor(write_slots, dtype=torch.int64, device=self.device),
                              decode_rows=torch.tensor(decode_rows, dtype=torch.int64, device=self.device),
-                             decode_pages=decode_pages, decode_bias=decode_bias, prefills=prefills)
+                             decode_pages=self._decode_table(decode_tables),
+                             decode_lens=torch.tensor(decode_lens, dtype=torch.int64, device=self.device),
+                             prefills=prefills)
         return dict(token_ids=torch.tensor(token_ids, dtype=torch.int64, device=self.device),
                     positions=pos.to(self.device), attn=attn,
                     logits_rows=torch.tensor(logits_rows, dtype=torch.int64, device=self.device),
                     samplers=samplers)
 
-    def _decode_tables(self, tables: list[list[int]], lens: list[int]):
+    def _decode_table(self, tables: list[list[int]]) -> torch.Tensor:
         if not tables:
-            empty = torch.zeros(0, 1, dtype=torch.int64, device=self.device)
-            return empty, None
-        size = self.pool.page_size
-        width = max(len(t) for t in tables)
-        padded = _padded(tables, width)
-        key_pos = torch.arange(width * size)
-        padding = key_pos[None, :] >= torch.tensor(lens)[:, None]
-        bias = torch.zeros(padding.shape).masked_fill_(padding, float("-inf"))
-        return padded.to(self.device), bias.to(self.device)
+            return torch.zeros(0, 1, dtype=torch.int64, device=self.device)
+        return _padded(tables, max(len(t) for t in tables)).to(self.device)
 
 
 def _padded(rows: list[list[int]], width: int) -> torch.Tensor:

@@ -13,9 +13,10 @@ import torch.nn.functional as F
 from isoserve.kv.pool import KVPool
 from isoserve.model.config import ModelConfig
 from isoserve.model.int4 import COMPANIONS, Int4Weight, has_companions
+from isoserve.model.layer_ops import select_ops
 from isoserve.model.projection import Projection
-from isoserve.model.paged_attention import StepAttention, paged_attention, write_kv
-from isoserve.model.rope import RotaryEmbedding, apply_rotary
+from isoserve.model.paged_attention import StepAttention, paged_attention
+from isoserve.model.rope import RotaryEmbedding
 
 
 @dataclass
@@ -31,9 +32,11 @@ class LayerWeights:
 class LlamaModel:
     def __init__(self, cfg: ModelConfig, weights: dict[str, torch.Tensor], dtype: torch.dtype,
                  device: torch.device | str = "cpu", max_positions: int | None = None,
-                 int4_max_rows: int = 0):
+                 int4_max_rows: int = 0, fused_kernels: bool = True):
         """int4_max_rows: steps of at most this many tokens multiply by the int4 companions of
-        Q4_1 weights (model/int4.py), where the checkpoint has them; bfloat16 on CPU only."""
+        Q4_1 weights (model/int4.py), where the checkpoint has them; bfloat16 on CPU only.
+        fused_kernels: run the work between matmuls as fused CPU kernels where they apply
+        (model/layer_ops.py); `self.ops_note` says why not otherwise."""
         self.cfg = cfg
         self.dtype = dtype
         self.device = torch.device(device)
@@ -75,39 +78,28 @@ class LlamaModel:
         self.int4_projections = sum(proj.int4 is not None for layer in self.layers
                                     for proj in (layer.qkv, layer.o, layer.gate_up, layer.down))
         self.rope = RotaryEmbedding(cfg, max_positions or cfg.max_position_embeddings, dtype, self.device)
+        self.ops, self.ops_note = select_ops(self.device, dtype, fused_kernels)
         self.scale = cfg.head_dim ** -0.5
         self._q_size = cfg.num_heads * cfg.head_dim
-        self._kv_size = cfg.num_kv_heads * cfg.head_dim
 
     @torch.inference_mode()
     def forward(self, token_ids: torch.Tensor, positions: torch.Tensor, attn: StepAttention,
                 pool: KVPool, logits_rows: torch.Tensor) -> torch.Tensor:
         """Run one step; writes each token's K/V into the pool and returns float32 logits
         for the rows in `logits_rows` only (the tokens that will be sampled)."""
-        cfg = self.cfg
-        x = F.embedding(token_ids, self.embed)
+        cfg, ops, eps = self.cfg, self.ops, self.cfg.rms_norm_eps
+        x = F.embedding(token_ids, self.embed)  # the residual stream, updated in place
         cos, sin = self.rope.tables(positions)
+        h = ops.rms_norm(x, self.layers[0].input_norm, eps)
         for i, layer in enumerate(self.layers):
-            h = _rms_norm(x, layer.input_norm, cfg.rms_norm_eps)
-            qkv = layer.qkv(h)
-            qk, v = qkv.split([self._q_size + self._kv_size, self._kv_size], dim=-1)
-            # Q and K heads are adjacent in the merged projection: one rotation serves both.
-            qk = apply_rotary(qk.reshape(-1, cfg.num_heads + cfg.num_kv_heads, cfg.head_dim), cos, sin)
-            q, k = qk.split([cfg.num_heads, cfg.num_kv_heads], dim=1)
-            v = v.view(-1, cfg.num_kv_heads, cfg.head_dim)
             k_cache, v_cache = pool.layer_cache(i)
-            write_kv(k_cache, v_cache, k, v, attn)
-            a = paged_attention(q, k_cache, v_cache, attn, self.scale)
-            x = x + layer.o(a.reshape(-1, self._q_size))
-            h = _rms_norm(x, layer.post_norm, cfg.rms_norm_eps)
-            gate, up = layer.gate_up(h).chunk(2, dim=-1)
-            x = x + layer.down(F.silu(gate) * up)
-        x = _rms_norm(x[logits_rows], self.final_norm, cfg.rms_norm_eps)
+            q = ops.rotary_store(layer.qkv(h), cos, sin, k_cache, v_cache, attn.write_slots, cfg.num_heads)
+            a = paged_attention(q, k_cache, v_cache, attn, self.scale, ops.decode_attention)
+            h = ops.add_rms_norm(x, layer.o(a.reshape(-1, self._q_size)), layer.post_norm, eps)
+            mlp = layer.down(ops.silu_mul(layer.gate_up(h)))
+            if i + 1 < len(self.layers):  # the residual add, fused with the next layer's norm
+                h = ops.add_rms_norm(x, mlp, self.layers[i + 1].input_norm, eps)
+            else:
+                x.add_(mlp)
+        x = ops.rms_norm(x[logits_rows], self.final_norm, eps)
         return self.lm_head(x).float()
-
-
-def _rms_norm(x: torch.Tensor, weight: torch.Tensor, eps: float) -> torch.Tensor:
-    # Normalize in float32 as the reference implementation does, then return to the model dtype.
-    xf = x.float()
-    xf = xf * torch.rsqrt(xf.pow(2).mean(-1, keepdim=True) + eps)
-    return weight * xf.to(x.dtype)

@@ -1,7 +1,8 @@
 """Attention over the paged KV pool, for a step that mixes decodes and prefill chunks.
 
 Tokens of all sequences in a step are concatenated ([T, ...]). Single-token queries (decodes)
-are attended as one padded batch; multi-token queries (prefill chunks) one sequence at a time,
+are attended as one batch, by the fused kernel that reads pages in place (kernels/cpu_ops.cpp)
+or by `decode_attention_torch`; multi-token queries (prefill chunks) one sequence at a time,
 since their shapes differ. Every read goes through a page table the guard has checked.
 
 A layer's cache is [kv_heads, pages, page_size, head_dim]: gathering a batch's pages gives
@@ -9,7 +10,8 @@ A layer's cache is [kv_heads, pages, page_size, head_dim]: gathering a batch's p
 """
 from __future__ import annotations
 
-from dataclasses import dataclass
+from dataclasses import dataclass, field
+from typing import Callable
 
 import torch
 import torch.nn.functional as F
@@ -27,27 +29,40 @@ class PrefillChunk:
 class StepAttention:
     write_slots: torch.Tensor    # [T] pool slot (page * page_size + offset) of each token's K/V
     decode_rows: torch.Tensor    # [Bd] rows of single-token queries
-    decode_pages: torch.Tensor   # [Bd, M] page tables, padded with page 0 (masked out)
-    decode_bias: torch.Tensor | None  # [Bd, M*page_size] float: 0 for real keys, -inf for padding
+    decode_pages: torch.Tensor   # [Bd, M] page tables, padded with page 0 (never read)
+    decode_lens: torch.Tensor    # [Bd] keys each decode attends to, its own included
     prefills: list[PrefillChunk]
+    _decode_bias: torch.Tensor | None = field(default=None, repr=False)
+
+    def decode_bias(self, page_size: int) -> torch.Tensor:
+        """[Bd, M*page_size] float: 0 for real keys, -inf for padding; built once per step."""
+        if self._decode_bias is None:
+            keys = torch.arange(self.decode_pages.shape[1] * page_size, device=self.decode_lens.device)
+            padding = keys[None, :] >= self.decode_lens[:, None]
+            self._decode_bias = torch.zeros(padding.shape, device=padding.device).masked_fill_(
+                padding, float("-inf"))
+        return self._decode_bias
+
+
+DecodeAttention = Callable[[torch.Tensor, torch.Tensor, torch.Tensor, StepAttention, float], torch.Tensor]
 
 
 def write_kv(k_cache: torch.Tensor, v_cache: torch.Tensor, k: torch.Tensor, v: torch.Tensor,
-             attn: StepAttention) -> None:
+             slots: torch.Tensor) -> None:
     """k, v: [T, kv_heads, head_dim] into their slots."""
     heads, dim = k_cache.shape[0], k_cache.shape[-1]
-    k_cache.view(heads, -1, dim).index_copy_(1, attn.write_slots, k.transpose(0, 1))
-    v_cache.view(heads, -1, dim).index_copy_(1, attn.write_slots, v.transpose(0, 1))
+    k_cache.view(heads, -1, dim).index_copy_(1, slots, k.transpose(0, 1))
+    v_cache.view(heads, -1, dim).index_copy_(1, slots, v.transpose(0, 1))
 
 
 def paged_attention(q: torch.Tensor, k_cache: torch.Tensor, v_cache: torch.Tensor,
-                    attn: StepAttention, scale: float) -> torch.Tensor:
+                    attn: StepAttention, scale: float, decode_attention: DecodeAttention) -> torch.Tensor:
     """q: [T, heads, head_dim]; caches: [kv_heads, pages, page_size, head_dim] -> [T, heads, head_dim]."""
     if not attn.prefills:
-        return _decode_attention(q, k_cache, v_cache, attn, scale)
+        return decode_attention(q, k_cache, v_cache, attn, scale)
     out = torch.empty_like(q)
     if attn.decode_rows.numel():
-        out[attn.decode_rows] = _decode_attention(q[attn.decode_rows], k_cache, v_cache, attn, scale)
+        out[attn.decode_rows] = decode_attention(q[attn.decode_rows], k_cache, v_cache, attn, scale)
     for chunk in attn.prefills:
         rows = slice(chunk.token_start, chunk.token_start + chunk.num_tokens)
         out[rows] = _prefill_attention(q[rows], k_cache, v_cache, chunk, scale)
@@ -61,9 +76,10 @@ def _gather(cache: torch.Tensor, pages: torch.Tensor) -> torch.Tensor:
     return x.view(cache.shape[0], pages.shape[0], pages.shape[1] * cache.shape[2], cache.shape[3])
 
 
-def _decode_attention(q, k_cache, v_cache, attn: StepAttention, scale):
-    """One query token per sequence, as two batched matmuls: torch's CPU flash kernel is built
-    for long query blocks and was 20x slower here for a single query."""
+def decode_attention_torch(q, k_cache, v_cache, attn: StepAttention, scale):
+    """One query token per sequence, as torch ops: gather the pages, then two batched matmuls
+    (torch's CPU flash kernel is built for long query blocks and was 20x slower here for a
+    single query)."""
     batch, heads, dim = q.shape
     kv_heads = k_cache.shape[0]
     group = heads // kv_heads
@@ -73,7 +89,7 @@ def _decode_attention(q, k_cache, v_cache, attn: StepAttention, scale):
     # Query heads grouped under their KV head: [H_kv, B, G, D].
     qg = q.view(batch, kv_heads, group, dim).transpose(0, 1)
     scores = torch.matmul(qg, k.transpose(-1, -2)).float() * scale  # [H_kv, B, G, L]
-    scores = scores + attn.decode_bias.view(1, batch, 1, keys)
+    scores = scores + attn.decode_bias(k_cache.shape[2]).view(1, batch, 1, keys)
     probs = torch.softmax(scores, dim=-1).to(v.dtype)
     out = torch.matmul(probs, v)  # [H_kv, B, G, D]
     return out.transpose(0, 1).reshape(batch, heads, dim)

@@ -24,6 +24,7 @@ def _engine_config(args, *, kv_tokens=None, kv_memory_gb=None) -> EngineConfig:
                         kv_memory_bytes=int(kv_memory_gb * GIB) if kv_memory_gb else None,
                         max_num_seqs=args.max_num_seqs, max_batched_tokens=args.max_batched_tokens,
                         scrub_freed_pages=args.scrub_freed_pages, int4_max_rows=args.int4_max_rows,
+                        fused_kernels=args.fused_kernels,
                         disabled_guards=args.disabled_guards, cache_dir=args.cache_dir)
 
 
@@ -135,6 +136,8 @@ def _worker_command(args, role: str, index: int, router: str, kv_endpoint: str, 
            "--transfer-timeout", str(args.transfer_timeout), "--threads", str(threads)]
     if args.context_length:
         cmd += ["--context-length", str(args.context_length)]
+    if not args.fused_kernels:
+        cmd.append("--no-fused-kernels")
     if getattr(args, f"{prefix}kv_tokens") is not None:
         cmd += ["--kv-tokens", str(getattr(args, f"{prefix}kv_tokens"))]
     if getattr(args, f"{prefix}kv_memory_gb") is not None:

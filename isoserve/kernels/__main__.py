@@ -1,0 +1,5 @@
+import sys
+
+from isoserve.kernels import main
+
+sys.exit(main())

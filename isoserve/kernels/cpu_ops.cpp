@@ -1,0 +1,365 @@
+// Fused CPU kernels for the work between a decoder layer's matmuls.
+//
+// Each kernel replaces a chain of small torch ops whose dispatch cost, not arithmetic, bounds
+// a small decode step (~330 us of the 20 ms batch-1 step per layer went to ~50 op calls).
+// Every kernel rounds where the torch reference in model/layer_ops.py rounds, so the two paths
+// agree to the last bit or within one rounding of a float32 reduction order.
+//
+// Memory safety is checked here, not assumed: every page id, slot and length a kernel uses to
+// address the KV pool is bounds-checked against the pool before any read or write. Ownership
+// of those pages is the read guard's job (kv/guard.py), done before the step starts.
+#include <torch/extension.h>
+#include <ATen/Parallel.h>
+
+#include <algorithm>
+#include <cmath>
+#include <cstdint>
+#include <cstring>
+#include <vector>
+
+namespace {
+
+// Independent accumulators: gcc vectorizes these loops without reassociating float sums.
+constexpr int64_t kLanes = 16;
+
+template <typename T>
+inline float f32(T v) { return static_cast<float>(v); }
+
+template <typename T>
+inline float round_to(float v) { return static_cast<float>(static_cast<T>(v)); }
+
+// Sums the lanes pairwise (8 + 8, 4 + 4, ...): a few vector adds, where summing them in turn
+// is 16 dependent scalar adds, the bulk of a 64-element dot product.
+inline float sum_lanes(float* lanes) {
+  for (int64_t width = kLanes / 2; width >= 1; width /= 2)
+    for (int64_t j = 0; j < width; ++j) lanes[j] += lanes[j + width];
+  return lanes[0];
+}
+
+inline float dot(const float* a, const float* b, int64_t n) {
+  float lanes[kLanes] = {0};
+  int64_t d = 0;
+  for (; d + kLanes <= n; d += kLanes)
+    for (int64_t j = 0; j < kLanes; ++j) lanes[j] += a[d + j] * b[d + j];
+  float sum = 0;
+  for (; d < n; ++d) sum += a[d] * b[d];
+  return sum + sum_lanes(lanes);
+}
+
+template <typename T>
+inline void to_float(const T* x, float* out, int64_t n) {
+  for (int64_t i = 0; i < n; ++i) out[i] = f32(x[i]);
+}
+
+// exp(x) for float32 in a form gcc vectorizes (std::exp is one libm call per element, and was
+// most of the attention kernel's time): exp(x) = 2^n exp(r), n = round(x / ln 2), |r| <= ln2/2,
+// ln 2 split in two (Cody-Waite) so r is exact; degree-7 Taylor, relative error < 1e-8 before
+// float rounding. Inputs are clamped to [-87, 88], where 2^n stays a normal float. n is rounded
+// by adding and subtracting 1.5 * 2^23 (float addition rounds to nearest): std::floor kept gcc
+// from vectorizing the loop. Never build this file with -ffast-math, which would fold that away.
+inline float fast_exp(float x) {
+  x = std::min(std::max(x, -87.0f), 88.0f);
+  const float n = (x * 1.44269504088896341f + 12582912.0f) - 12582912.0f;
+  const float r = (x - n * 0.693359375f) - n * -2.12194440e-4f;
+  float p = 1.0f / 5040;
+  p = p * r + 1.0f / 720;
+  p = p * r + 1.0f / 120;
+  p = p * r + 1.0f / 24;
+  p = p * r + 1.0f / 6;
+  p = p * r + 0.5f;
+  p = p * r + 1.0f;
+  p = p * r + 1.0f;
+  const int32_t bits = (static_cast<int32_t>(n) + 127) << 23;
+  float two_n;
+  std::memcpy(&two_n, &bits, sizeof two_n);
+  return p * two_n;
+}
+
+template <typename T>
+inline float sum_of_squares(const T* x, int64_t n) {
+  float lanes[kLanes] = {0};
+  int64_t i = 0;
+  for (; i + kLanes <= n; i += kLanes)
+    for (int64_t j = 0; j < kLanes; ++j) lanes[j] += f32(x[i + j]) * f32(x[i + j]);
+  float sum = 0;
+  for (; i < n; ++i) sum += f32(x[i]) * f32(x[i]);
+  return sum + sum_lanes(lanes);
+}
+
+void check_float_cpu(const torch::Tensor& t, const char* name) {
+  TORCH_CHECK(t.device().is_cpu(), name, " must be on the CPU");
+  TORCH_CHECK(t.scalar_type() == at::kFloat || t.scalar_type() == at::kBFloat16,
+              name, " must be float32 or bfloat16, got ", t.scalar_type());
+  TORCH_CHECK(t.is_contiguous(), name, " must be contiguous");
+}
+
+void check_index(const torch::Tensor& t, const char* name) {
+  TORCH_CHECK(t.device().is_cpu() && t.scalar_type() == at::kLong && t.is_contiguous(),
+              name, " must be a contiguous int64 CPU tensor");
+}
+
+#define ISOSERVE_DISPATCH(dtype, ...)                                   \
+  if ((dtype) == at::kBFloat16) {                                       \
+    using scalar_t = c10::BFloat16;                                     \
+    __VA_ARGS__();                                                      \
+  } else {                                                              \
+    using scalar_t = float;                                             \
+    __VA_ARGS__();                                                      \
+  }
+
+// ---- RMSNorm ----------------------------------------------------------------------------------
+// Reference: w * (x.float() * rsqrt(mean(x.float()^2) + eps)).to(dtype), rounded after the
+// normalization and again after the weight, as Llama's reference implementation does.
+
+template <typename T>
+void rms_norm_rows(T* x, const T* residual_in, const T* w, T* out, int64_t rows, int64_t n,
+                   float eps) {
+  at::parallel_for(0, rows, 1, [&](int64_t begin, int64_t end) {
+    for (int64_t r = begin; r < end; ++r) {
+      T* xr = x + r * n;
+      if (residual_in != nullptr) {  // x += y, rounded as torch's add rounds
+        const T* yr = residual_in + r * n;
+        for (int64_t i = 0; i < n; ++i) xr[i] = static_cast<T>(f32(xr[i]) + f32(yr[i]));
+      }
+      const float inv = 1.0f / std::sqrt(sum_of_squares(xr, n) / static_cast<float>(n) + eps);
+      T* o = out + r * n;
+      for (int64_t i = 0; i < n; ++i) o[i] = static_cast<T>(f32(w[i]) * round_to<T>(f32(xr[i]) * inv));
+    }
+  });
+}
+
+void check_norm(const torch::Tensor& x, const torch::Tensor& w) {
+  check_float_cpu(x, "x");
+  check_float_cpu(w, "weight");
+  TORCH_CHECK(x.dim() == 2 && w.dim() == 1 && w.size(0) == x.size(1),
+              "rms_norm takes x [rows, n] and weight [n]");
+  TORCH_CHECK(w.scalar_type() == x.scalar_type(), "x and weight must share a dtype");
+}
+
+torch::Tensor rms_norm(const torch::Tensor& x, const torch::Tensor& w, double eps) {
+  check_norm(x, w);
+  auto out = torch::empty_like(x);
+  ISOSERVE_DISPATCH(x.scalar_type(), [&] {
+    rms_norm_rows<scalar_t>(x.data_ptr<scalar_t>(), nullptr, w.data_ptr<scalar_t>(),
+                            out.data_ptr<scalar_t>(), x.size(0), x.size(1), static_cast<float>(eps));
+  });
+  return out;
+}
+
+// x += y in place (the residual stream), then returns rms_norm(x).
+torch::Tensor add_rms_norm(torch::Tensor& x, const torch::Tensor& y, const torch::Tensor& w, double eps) {
+  check_norm(x, w);
+  check_float_cpu(y, "y");
+  TORCH_CHECK(y.sizes() == x.sizes() && y.scalar_type() == x.scalar_type(),
+              "add_rms_norm: y must match x in shape and dtype");
+  auto out = torch::empty_like(x);
+  ISOSERVE_DISPATCH(x.scalar_type(), [&] {
+    rms_norm_rows<scalar_t>(x.data_ptr<scalar_t>(), y.data_ptr<scalar_t>(), w.data_ptr<scalar_t>(),
+                            out.data_ptr<scalar_t>(), x.size(0), x.size(1), static_cast<float>(eps));
+  });
+  return out;
+}
+
+// ---- SwiGLU -----------------------------------------------------------------------------------
+// Reference: silu(gate) * up over the halves of the merged gate-up projection, each rounded.
+
+template <typename T>
+void silu_mul_rows(const T* in, T* out, int64_t rows, int64_t n) {
+  at::parallel_for(0, rows, 1, [&](int64_t begin, int64_t end) {
+    for (int64_t r = begin; r < end; ++r) {
+      const T* g = in + r * 2 * n;
+      const T* u = g + n;
+      T* o = out + r * n;
+      for (int64_t i = 0; i < n; ++i) {
+        const float x = f32(g[i]);
+        o[i] = static_cast<T>(round_to<T>(x / (1.0f + fast_exp(-x))) * f32(u[i]));
+      }
+    }
+  });
+}
+
+torch::Tensor silu_mul(const torch::Tensor& gate_up) {
+  check_float_cpu(gate_up, "gate_up");
+  TORCH_CHECK(gate_up.dim() == 2 && gate_up.size(1) % 2 == 0, "silu_mul takes [rows, 2 * n]");
+  const int64_t rows = gate_up.size(0), n = gate_up.size(1) / 2;
+  auto out = torch::empty({rows, n}, gate_up.options());
+  ISOSERVE_DISPATCH(gate_up.scalar_type(), [&] {
+    silu_mul_rows<scalar_t>(gate_up.data_ptr<scalar_t>(), out.data_ptr<scalar_t>(), rows, n);
+  });
+  return out;
+}
+
+// ---- RoPE + KV write --------------------------------------------------------------------------
+// qkv [T, (H + 2 Hkv) D] from the merged projection. Rotates Q and K (x * cos + rotate_half(x)
+// * sin, each product and the sum rounded), returns Q as [T, H, D] and writes K and V into the
+// layer's cache [Hkv, pages * page_size, D] at each token's slot.
+
+template <typename T>
+inline void rotate(const T* x, const T* c, const T* s, T* out, int64_t dim) {
+  const int64_t half = dim / 2;
+  for (int64_t d = 0; d < half; ++d)
+    out[d] = static_cast<T>(round_to<T>(f32(x[d]) * f32(c[d])) + round_to<T>(-f32(x[d + half]) * f32(s[d])));
+  for (int64_t d = half; d < dim; ++d)
+    out[d] = static_cast<T>(round_to<T>(f32(x[d]) * f32(c[d])) + round_to<T>(f32(x[d - half]) * f32(s[d])));
+}
+
+template <typename T>
+void rotary_rows(const T* qkv, const T* cos, const T* sin, const int64_t* slot, T* q, T* kc, T* vc,
+                 int64_t tokens, int64_t heads, int64_t kv_heads, int64_t dim, int64_t cache_slots) {
+  const int64_t width = (heads + 2 * kv_heads) * dim;
+  at::parallel_for(0, tokens, 1, [&](int64_t begin, int64_t end) {
+    for (int64_t t = begin; t < end; ++t) {
+      const T* row = qkv + t * width;
+      const T* c = cos + t * dim;
+      const T* s = sin + t * dim;
+      for (int64_t h = 0; h < heads; ++h) rotate(row + h * dim, c, s, q + (t * heads + h) * dim, dim);
+      for (int64_t h = 0; h < kv_heads; ++h) {
+        rotate(row + (heads + h) * dim, c, s, kc + (h * cache_slots + slot[t]) * dim, dim);
+        std::copy_n(row + (heads + kv_heads + h) * dim, dim, vc + (h * cache_slots + slot[t]) * dim);
+      }
+    }
+  });
+}
+
+torch::Tensor rotary_store(const torch::Tensor& qkv, const torch::Tensor& cos, const torch::Tensor& sin,
+                           torch::Tensor& k_cache, torch::Tensor& v_cache, const torch::Tensor& slots,
+                           int64_t heads) {
+  check_float_cpu(qkv, "qkv");
+  check_float_cpu(cos, "cos");
+  check_float_cpu(sin, "sin");
+  check_float_cpu(k_cache, "k_cache");
+  check_float_cpu(v_cache, "v_cache");
+  check_index(slots, "slots");
+  TORCH_CHECK(k_cache.dim() == 4 && v_cache.sizes() == k_cache.sizes(),
+              "caches must be [kv_heads, pages, page_size, head_dim]");
+  const int64_t tokens = qkv.size(0), kv_heads = k_cache.size(0), dim = k_cache.size(3);
+  const int64_t cache_slots = k_cache.size(1) * k_cache.size(2);
+  TORCH_CHECK(qkv.dim() == 2 && qkv.size(1) == (heads + 2 * kv_heads) * dim,
+              "qkv must be [tokens, (heads + 2 kv_heads) * head_dim]");
+  TORCH_CHECK(dim % 2 == 0, "head_dim must be even");
+  TORCH_CHECK(cos.numel() == tokens * dim && sin.numel() == tokens * dim && slots.numel() == tokens,
+              "cos, sin and slots must have one row per token");
+  const auto dtype = qkv.scalar_type();
+  TORCH_CHECK(cos.scalar_type() == dtype && sin.scalar_type() == dtype && k_cache.scalar_type() == dtype &&
+              v_cache.scalar_type() == dtype, "qkv, cos, sin and the caches must share a dtype");
+  const int64_t* slot = slots.data_ptr<int64_t>();
+  for (int64_t t = 0; t < tokens; ++t)
+    TORCH_CHECK(slot[t] >= 0 && slot[t] < cache_slots, "KV slot ", slot[t], " is outside the pool");
+  auto q = torch::empty({tokens, heads, dim}, qkv.options());
+  ISOSERVE_DISPATCH(dtype, [&] {
+    rotary_rows<scalar_t>(qkv.data_ptr<scalar_t>(), cos.data_ptr<scalar_t>(), sin.data_ptr<scalar_t>(),
+                          slot, q.data_ptr<scalar_t>(), k_cache.data_ptr<scalar_t>(),
+                          v_cache.data_ptr<scalar_t>(), tokens, heads, kv_heads, dim, cache_slots);
+  });
+  return q;
+}
+
+// ---- Decode attention over pages, in place ----------------------------------------------------
+// One query token per sequence. For each (sequence, KV head), the group's query heads score the
+// first lens[b] keys of the pages in the sequence's page table, read where they lie in the pool
+// (no gathered copy), softmax in float32, and sum the values in float32.
+
+template <typename T>
+void decode_attention_impl(const T* q, const T* kc, const T* vc, const int64_t* pages,
+                           const int64_t* lens, T* out, int64_t batch, int64_t heads,
+                           int64_t kv_heads, int64_t num_pages, int64_t page_size, int64_t dim,
+                           int64_t width, float scale) {
+  const int64_t group = heads / kv_heads;
+  at::parallel_for(0, batch * kv_heads, 1, [&](int64_t begin, int64_t end) {
+    std::vector<float> qf(group * dim), acc(group * dim), row(dim), scores, total(group);
+    for (int64_t task = begin; task < end; ++task) {
+      const int64_t b = task / kv_heads, h = task % kv_heads, len = lens[b];
+      const int64_t* table = pages + b * width;
+      const T* q_head = q + (b * heads + h * group) * dim;
+      for (int64_t i = 0; i < group * dim; ++i) qf[i] = f32(q_head[i]) * scale;
+      scores.resize(group * len);
+      // Scores: each key converted to float once, then dotted with the group's queries.
+      for (int64_t start = 0, p = 0; start < len; start += page_size, ++p) {
+        const int64_t n = std::min(page_size, len - start);
+        const T* keys = kc + (h * num_pages + table[p]) * page_size * dim;
+        for (int64_t s = 0; s < n; ++s) {
+          to_float(keys + s * dim, row.data(), dim);
+          for (int64_t g = 0; g < group; ++g)
+            scores[g * len + start + s] = dot(qf.data() + g * dim, row.data(), dim);
+        }
+      }
+      for (int64_t g = 0; g < group; ++g) {
+        float* sc = scores.data() + g * len;
+        const float top = *std::max_element(sc, sc + len);
+        for (int64_t t = 0; t < len; ++t) sc[t] = fast_exp(sc[t] - top);
+        float lanes[kLanes] = {0}, sum = 0;
+        int64_t t = 0;
+        for (; t + kLanes <= len; t += kLanes)
+          for (int64_t j = 0; j < kLanes; ++j) lanes[j] += sc[t + j];
+        for (; t < len; ++t) sum += sc[t];
+        total[g] = sum + sum_lanes(lanes);
+      }
+      // Values: each converted once, added into every query head's sum with its weight.
+      std::fill(acc.begin(), acc.end(), 0.0f);
+      for (int64_t start = 0, p = 0; start < len; start += page_size, ++p) {
+        const int64_t n = std::min(page_size, len - start);
+        const T* values = vc + (h * num_pages + table[p]) * page_size * dim;
+        for (int64_t s = 0; s < n; ++s) {
+          to_float(values + s * dim, row.data(), dim);
+          for (int64_t g = 0; g < group; ++g) {
+            const float weight = scores[g * len + start + s];
+            float* a = acc.data() + g * dim;
+            for (int64_t d = 0; d < dim; ++d) a[d] += weight * row[d];
+          }
+        }
+      }
+      T* o = out + (b * heads + h * group) * dim;
+      for (int64_t g = 0; g < group; ++g)
+        for (int64_t d = 0; d < dim; ++d) o[g * dim + d] = static_cast<T>(acc[g * dim + d] / total[g]);
+    }
+  });
+}
+
+torch::Tensor decode_attention(const torch::Tensor& q, const torch::Tensor& k_cache,
+                               const torch::Tensor& v_cache, const torch::Tensor& pages,
+                               const torch::Tensor& lens, double scale) {
+  check_float_cpu(q, "q");
+  check_float_cpu(k_cache, "k_cache");
+  check_float_cpu(v_cache, "v_cache");
+  check_index(pages, "pages");
+  check_index(lens, "lens");
+  TORCH_CHECK(q.dim() == 3, "q must be [batch, heads, head_dim]");
+  TORCH_CHECK(k_cache.dim() == 4 && v_cache.sizes() == k_cache.sizes(),
+              "caches must be [kv_heads, pages, page_size, head_dim]");
+  TORCH_CHECK(q.scalar_type() == k_cache.scalar_type() && q.scalar_type() == v_cache.scalar_type(),
+              "q and the caches must share a dtype");
+  const int64_t batch = q.size(0), heads = q.size(1), dim = q.size(2);
+  const int64_t kv_heads = k_cache.size(0), num_pages = k_cache.size(1), page_size = k_cache.size(2);
+  TORCH_CHECK(k_cache.size(3) == dim, "q and the caches disagree on head_dim");
+  TORCH_CHECK(heads % kv_heads == 0, "query heads must be a multiple of KV heads");
+  TORCH_CHECK(pages.dim() == 2 && pages.size(0) == batch && lens.numel() == batch,
+              "pages must be [batch, width] and lens [batch]");
+  const int64_t width = pages.size(1);
+  const int64_t* table = pages.data_ptr<int64_t>();
+  const int64_t* len = lens.data_ptr<int64_t>();
+  for (int64_t b = 0; b < batch; ++b) {
+    TORCH_CHECK(len[b] >= 1 && len[b] <= width * page_size,
+                "sequence ", b, " reads ", len[b], " keys from a ", width, "-page table");
+    for (int64_t p = 0; p * page_size < len[b]; ++p)
+      TORCH_CHECK(table[b * width + p] >= 0 && table[b * width + p] < num_pages,
+                  "page ", table[b * width + p], " is outside the pool");
+  }
+  auto out = torch::empty_like(q);
+  ISOSERVE_DISPATCH(q.scalar_type(), [&] {
+    decode_attention_impl<scalar_t>(q.data_ptr<scalar_t>(), k_cache.data_ptr<scalar_t>(),
+                                   v_cache.data_ptr<scalar_t>(), table, len, out.data_ptr<scalar_t>(),
+                                   batch, heads, kv_heads, num_pages, page_size, dim, width,
+                                   static_cast<float>(scale));
+  });
+  return out;
+}
+
+}  // namespace
+
+PYBIND11_MODULE(TORCH_EXTENSION_NAME, m) {
+  m.def("rms_norm", &rms_norm, "RMSNorm of [rows, n] rows");
+  m.def("add_rms_norm", &add_rms_norm, "x += y in place, then RMSNorm of x");
+  m.def("silu_mul", &silu_mul, "silu(gate) * up of a merged [rows, 2n] gate-up");
+  m.def("rotary_store", &rotary_store, "RoPE on Q and K; K and V written to their cache slots");
+  m.def("decode_attention", &decode_attention, "one-query attention over paged KV, in place");
+}

@@ -1,0 +1,91 @@
+"""The steps of a decoder layer between its matmuls, two ways with one meaning.
+
+  rms_norm        RMSNorm in float32, rounded to the model dtype, times the weight
+  add_rms_norm    the residual add (in place) followed by the next RMSNorm
+  rotary_store    RoPE on Q and K from the merged QKV projection; K and V into their pool slots
+  decode_attention  single-query attention over each sequence's pages
+  silu_mul        SwiGLU over the merged gate-up projection
+
+`TorchOps` runs them as torch ops; it is the reference. `FusedOps` runs each as one call into
+the fused CPU kernels (kernels/cpu_ops.cpp), which round where the reference rounds. At batch 1
+the torch versions are ~50 small op calls per layer, a third of the step's time; fused, a
+handful. The decode kernel also reads K and V where they lie in the pool instead of gathering
+a padded copy first.
+"""
+from __future__ import annotations
+
+import logging
+
+import torch
+import torch.nn.functional as F
+
+from isoserve.model.paged_attention import StepAttention, decode_attention_torch, write_kv
+from isoserve.model.rope import apply_rotary
+
+log = logging.getLogger("isoserve.model")
+
+FUSED_DTYPES = (torch.bfloat16, torch.float32)
+
+
+class TorchOps:
+    name = "torch ops"
+
+    @staticmethod
+    def rms_norm(x: torch.Tensor, weight: torch.Tensor, eps: float) -> torch.Tensor:
+        # Normalize in float32 as the reference implementation does, then return to the model dtype.
+        xf = x.float()
+        xf = xf * torch.rsqrt(xf.pow(2).mean(-1, keepdim=True) + eps)
+        return weight * xf.to(x.dtype)
+
+    @classmethod
+    def add_rms_norm(cls, x: torch.Tensor, y: torch.Tensor, weight: torch.Tensor, eps: float) -> torch.Tensor:
+        x.add_(y)
+        return cls.rms_norm(x, weight, eps)
+
+    @staticmethod
+    def silu_mul(gate_up: torch.Tensor) -> torch.Tensor:
+        gate, up = gate_up.chunk(2, dim=-1)
+        return F.silu(gate) * up
+
+    @staticmethod
+    def rotary_store(qkv: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor, k_cache: torch.Tensor,
+                     v_cache: torch.Tensor, slots: torch.Tensor, heads: int) -> torch.Tensor:
+        kv_heads, dim = k_cache.shape[0], k_cache.shape[-1]
+        qk, v = qkv.split([(heads + kv_heads) * dim, kv_heads * dim], dim=-1)
+        # Q and K heads are adjacent in the merged projection: one rotation serves both.
+        qk = apply_rotary(qk.reshape(-1, heads + kv_heads, dim), cos, sin)
+        q, k = qk.split([heads, kv_heads], dim=1)
+        write_kv(k_cache, v_cache, k, v.view(-1, kv_heads, dim), slots)
+        return q
+
+    decode_attention = staticmethod(decode_attention_torch)
+
+
+class FusedOps:
+    name = "fused CPU kernels"
+
+    def __init__(self, kernels):
+        self._k = kernels
+        self.rms_norm = kernels.rms_norm
+        self.add_rms_norm = kernels.add_rms_norm
+        self.silu_mul = kernels.silu_mul
+        self.rotary_store = kernels.rotary_store
+
+    def decode_attention(self, q: torch.Tensor, k_cache: torch.Tensor, v_cache: torch.Tensor,
+                         attn: StepAttention, scale: float) -> torch.Tensor:
+        return self._k.decode_attention(q.contiguous(), k_cache, v_cache, attn.decode_pages,
+                                        attn.decode_lens, scale)
+
+
+def select_ops(device: torch.device, dtype: torch.dtype, fused: bool = True) -> tuple[TorchOps | FusedOps, str]:
+    """The fused kernels where asked for, built and applicable; else torch ops, with the reason."""
+    if not fused:
+        return TorchOps(), "fused kernels turned off"
+    if device.type != "cpu" or dtype not in FUSED_DTYPES:
+        return TorchOps(), f"fused kernels are for float32/bfloat16 on CPU, not {dtype} on {device.type}"
+    from isoserve.kernels import try_cpu_ops
+    kernels, why = try_cpu_ops()
+    if kernels is None:
+        log.warning("%s; running the layers as torch ops", why)
+        return TorchOps(), why
+    return FusedOps(kernels), ""

@@ -1,0 +1,204 @@
+"""The fused CPU kernels (isoserve/kernels/cpu_ops.cpp) against the torch reference
+(model/layer_ops.TorchOps): same results, the same pool slots written and no others, bounds
+checked before any read or write, and padding past a sequence's length never read."""
+from __future__ import annotations
+
+import pytest
+import torch
+
+from isoserve.kernels import cpu_ops
+from isoserve.model.layer_ops import FusedOps, TorchOps, select_ops
+from isoserve.model.paged_attention import StepAttention
+
+BF16_ULP = 2.0 ** -7  # relative spacing of bfloat16: one rounding step
+
+
+@pytest.fixture(scope="module")
+def fused():
+    # No skip: the suite runs where `make install` built the kernels; failing to build is a defect.
+    return FusedOps(cpu_ops())
+
+
+def _close(actual: torch.Tensor, expected: torch.Tensor, dtype: torch.dtype, ulps: float = 1) -> None:
+    """float32: equal to float32 rounding; bfloat16: at most `ulps` rounding steps apart."""
+    if dtype == torch.float32:
+        torch.testing.assert_close(actual, expected, rtol=1e-5, atol=1e-6)
+    else:
+        torch.testing.assert_close(actual.float(), expected.float(), rtol=ulps * BF16_ULP, atol=1e-5)
+
+
+def test_select_ops_uses_kernels_on_cpu_only():
+    ops, note = select_ops(torch.device("cpu"), torch.bfloat16)
+    assert isinstance(ops, FusedOps) and note == ""
+    ops, note = select_ops(torch.device("cpu"), torch.float16)
+    assert isinstance(ops, TorchOps) and "float16" in note
+    ops, note = select_ops(torch.device("cpu"), torch.float32, fused=False)
+    assert isinstance(ops, TorchOps) and "off" in note
+
+
+@pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])
+@pytest.mark.parametrize("rows", [1, 7, 33])
+def test_norms_match_torch(fused, dtype, rows):
+    g = torch.Generator().manual_seed(rows)
+    x = (torch.randn(rows, 576, generator=g) * 3).to(dtype)
+    y = torch.randn(rows, 576, generator=g).to(dtype)
+    w = torch.randn(576, generator=g).to(dtype)
+    _close(fused.rms_norm(x, w, 1e-5), TorchOps.rms_norm(x, w, 1e-5), dtype)
+
+    x_ref, x_fused = x.clone(), x.clone()
+    expected = TorchOps.add_rms_norm(x_ref, y, w, 1e-5)
+    actual = fused.add_rms_norm(x_fused, y, w, 1e-5)
+    assert torch.equal(x_fused, x_ref)  # the residual add, in place, rounds as torch's does
+    _close(actual, expected, dtype)
+
+
+@pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])
+def test_silu_mul_matches_torch(fused, dtype):
+    g = torch.Generator().manual_seed(0)
+    gate_up = (torch.randn(9, 2 * 1536, generator=g) * 6).to(dtype)
+    gate_up[0, :6] = torch.tensor([-200.0, -88.0, 0.0, 88.0, 200.0, -1e-30])  # past the clamp
+    _close(fused.silu_mul(gate_up), TorchOps.silu_mul(gate_up), dtype)
+
+
+def _caches(dtype, pages=12, page_size=4, kv_heads=2, dim=16, seed=0):
+    g = torch.Generator().manual_seed(seed)
+    k = torch.randn(kv_heads, pages, page_size, dim, generator=g).to(dtype)
+    return k, torch.randn(kv_heads, pages, page_size, dim, generator=g).to(dtype)
+
+
+@pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])
+def test_rotary_store_matches_torch_and_writes_only_its_slots(fused, dtype):
+    heads, kv_heads, dim, tokens = 4, 2, 16, 5
+    g = torch.Generator().manual_seed(1)
+    qkv = torch.randn(tokens, (heads + 2 * kv_heads) * dim, generator=g).to(dtype)
+    angles = torch.rand(tokens, 1, dim, generator=g) * 6
+    cos, sin = angles.cos().to(dtype), angles.sin().to(dtype)
+    slots = torch.tensor([3, 17, 18, 40, 0])
+    k_ref, v_ref = _caches(dtype, kv_heads=kv_heads, dim=dim)
+    k_fused, v_fused = k_ref.clone(), v_ref.clone()
+    q_ref = TorchOps.rotary_store(qkv, cos, sin, k_ref, v_ref, slots, heads)
+    q_fused = fused.rotary_store(qkv, cos, sin, k_fused, v_fused, slots, heads)
+    assert torch.equal(v_fused, v_ref)  # V copied to the same slots, and nothing else touched
+    if dtype == torch.bfloat16:  # every product rounded as torch rounds it: the same bits
+        assert torch.equal(q_fused, q_ref) and torch.equal(k_fused, k_ref)
+    else:  # float32: the compiler may fuse x * cos + r * sin into one FMA, one rounding fewer
+        _close(q_fused, q_ref, dtype)
+        _close(k_fused, k_ref, dtype)
+        untouched = torch.ones(k_ref.shape[1] * k_ref.shape[2], dtype=torch.bool)
+        untouched[slots] = False
+        assert torch.equal(k_fused.view(2, -1, 16)[:, untouched], k_ref.view(2, -1, 16)[:, untouched])
+
+
+def _attention_case(dtype, lens, page_size=4, pages=40, seed=0):
+    """Page tables of random, non-adjacent pages; everything a sequence must not read (pages
+    past its length, slots past its length in its last page, table padding) holds NaN."""
+    g = torch.Generator().manual_seed(seed)
+    heads, kv_heads, dim = 6, 2, 16
+    k, v = _caches(dtype, pages=pages, page_size=page_size, kv_heads=kv_heads, dim=dim, seed=seed)
+    width = max(-(-n // page_size) for n in lens) + 1  # one page of padding for everyone
+    order = torch.randperm(pages - 1, generator=g) + 1    # page 0 is the padding page
+    tables, taken = torch.zeros(len(lens), width, dtype=torch.int64), 0
+    readable = torch.zeros(pages, page_size, dtype=torch.bool)
+    for b, n in enumerate(lens):
+        used = -(-n // page_size)
+        tables[b, :used] = order[taken:taken + used]
+        taken += used
+        for j in range(n):
+            readable[tables[b, j // page_size], j % page_size] = True
+    k[:, ~readable] = float("nan")
+    v[:, ~readable] = float("nan")
+    q = torch.randn(len(lens), heads, dim, generator=g).to(dtype)
+    attn = StepAttention(write_slots=torch.zeros(0, dtype=torch.int64), decode_rows=torch.arange(len(lens)),
+                         decode_pages=tables, decode_lens=torch.tensor(lens), prefills=[])
+    return q, k, v, attn
+
+
+def _gold_attention(q, k, v, attn, scale):
+    """float64, one sequence at a time, from the page table: the definition."""
+    out = []
+    heads, kv_heads = q.shape[1], k.shape[0]
+    for b, n in enumerate(attn.decode_lens.tolist()):
+        slots = [(int(attn.decode_pages[b, j // k.shape[2]]), j % k.shape[2]) for j in range(n)]
+        keys = torch.stack([k[:, p, s] for p, s in slots], dim=1).double()  # [H_kv, n, D]
+        vals = torch.stack([v[:, p, s] for p, s in slots], dim=1).double()
+        keys = keys.repeat_interleave(heads // kv_heads, dim=0)
+        vals = vals.repeat_interleave(heads // kv_heads, dim=0)
+        probs = torch.softmax(torch.einsum("hd,hnd->hn", q[b].double(), keys) * scale, dim=-1)
+        out.append(torch.einsum("hn,hnd->hd", probs, vals))
+    return torch.stack(out)
+
+
+@pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])
+@pytest.mark.parametrize("lens", [[1], [5, 4, 13], [16, 1, 9, 30, 2, 7]])
+def test_decode_attention_reads_only_its_keys(fused, dtype, lens):
+    q, k, v, attn = _attention_case(dtype, lens)
+    gold = _gold_attention(q, k, v, attn, 0.25)
+    actual = fused.decode_attention(q, k, v, attn, 0.25)
+    assert not actual.isnan().any()  # nothing past a sequence's length was read
+    tolerance = 1e-5 if dtype == torch.float32 else 2 * BF16_ULP
+    torch.testing.assert_close(actual.double(), gold, rtol=tolerance, atol=tolerance)
+
+
+def test_decode_attention_matches_torch_path(fused):
+    q, k, v, attn = _attention_case(torch.float32, [9, 3, 21], seed=3)
+    k, v = k.nan_to_num(0.0), v.nan_to_num(0.0)  # the torch path multiplies padding by zero
+    torch.testing.assert_close(fused.decode_attention(q, k, v, attn, 0.25),
+                               TorchOps.decode_attention(q, k, v, attn, 0.25), rtol=1e-5, atol=1e-6)
+
+
+def test_kernels_refuse_out_of_pool_addresses(fused):
+    kernels = cpu_ops()
+    q, k, v, attn = _attention_case(torch.float32, [5, 6])
+    pages, lens = attn.decode_pages.clone(), attn.decode_lens.clone()
+    pages[1, 0] = k.shape[1]  # one past the last page
+    with pytest.raises(RuntimeError, match="outside the pool"):
+        kernels.decode_attention(q, k, v, pages, lens, 0.25)
+    pages[1, 0] = -1
+    with pytest.raises(RuntimeError, match="outside the pool"):
+        kernels.decode_attention(q, k, v, pages, lens, 0.25)
+    too_long = torch.tensor([5, attn.decode_pages.shape[1] * k.shape[2] + 1])
+    with pytest.raises(RuntimeError, match="reads"):
+        kernels.decode_attention(q, k, v, attn.decode_pages, too_long, 0.25)
+    with pytest.raises(RuntimeError, match="reads"):
+        kernels.decode_attention(q, k, v, attn.decode_pages, torch.tensor([5, 0]), 0.25)
+
+    heads, kv_heads, dim = 4, 2, 16
+    kc, vc = _caches(torch.float32, kv_heads=kv_heads, dim=dim)
+    before = kc.clone()
+    qkv = torch.zeros(2, (heads + 2 * kv_heads) * dim)
+    cos = sin = torch.zeros(2, 1, dim)
+    with pytest.raises(RuntimeError, match="outside the pool"):
+        kernels.rotary_store(qkv, cos, sin, kc, vc, torch.tensor([0, kc.shape[1] * kc.shape[2]]), heads)
+    assert torch.equal(kc, before)  # checked before anything was written
+
+
+def test_kernels_refuse_wrong_inputs(fused):
+    kernels = cpu_ops()
+    x = torch.zeros(2, 8)
+    with pytest.raises(RuntimeError, match="float32 or bfloat16"):
+        kernels.rms_norm(x.half(), torch.zeros(8).half(), 1e-5)
+    with pytest.raises(RuntimeError, match="contiguous"):
+        kernels.rms_norm(torch.zeros(8, 2).t(), torch.zeros(8), 1e-5)
+    with pytest.raises(RuntimeError, match="share a dtype"):
+        kernels.rms_norm(x, torch.zeros(8, dtype=torch.bfloat16), 1e-5)
+    with pytest.raises(RuntimeError, match="2 \\* n"):
+        kernels.silu_mul(torch.zeros(2, 7))
+
+
+def test_mixed_step_fused_equals_torch_in_float32(tiny_llama_dir):
+    """A whole engine, fused vs torch ops, over steps that mix prefill chunks with decodes:
+    the same greedy tokens and logprobs to float32 rounding."""
+    from isoserve.engine.llm import LLM
+    from isoserve.engine.sampling_params import SamplingParams
+
+    prompts = [list(range(5, 5 + n)) for n in (3, 40, 17, 9)]
+    params = SamplingParams(max_tokens=12, temperature=0.0, ignore_eos=True, logprobs=0)
+    results = {}
+    for name, on in (("fused", True), ("torch", False)):
+        llm = LLM(model=str(tiny_llama_dir), dtype="float32", fused_kernels=on, max_batched_tokens=24)
+        assert llm.engine.model.ops.name == ("fused CPU kernels" if on else "torch ops")
+        results[name] = llm.generate(prompts, params)
+    for fused_out, torch_out in zip(results["fused"], results["torch"]):
+        assert fused_out.token_ids == torch_out.token_ids
+        torch.testing.assert_close(torch.tensor([t.logprob for t in fused_out.logprobs]),
+                                   torch.tensor([t.logprob for t in torch_out.logprobs]), rtol=1e-4, atol=1e-4)
