@@ -15,6 +15,7 @@ from isoserve import LLM, SamplingParams
 from isoserve.engine.sequence import Status
 from isoserve.errors import ContextLengthExceeded, KVIsolationViolation
 from isoserve.kv.allocator import OutOfPages, PageAllocator
+from isoserve.kernels import cpu_ops
 from isoserve.kv.guard import ReadCheck, check_reads
 from isoserve.kv.pool import UNWRITTEN, KVPool
 from isoserve.model.config import ModelConfig
@@ -213,35 +214,32 @@ def _build(page_size, specs, chunking: st.DataObject):
                               torch.tensor([min(page_size, end - j * page_size) for j in touched]))
             done = end
         rows.append((tag, pages, epochs, read))
-    width = max(len(r[1]) for r in rows)
-    table = torch.zeros(len(rows), width, dtype=torch.int64)  # padding is page 0, a real page
-    epochs = torch.zeros(len(rows), width, dtype=torch.int64)
-    valid = torch.zeros(len(rows), width, dtype=torch.bool)
-    for i, (_, pages, eps, _) in enumerate(rows):
-        table[i, :len(pages)] = torch.tensor(pages)
-        epochs[i, :len(pages)] = torch.tensor(eps)
-        valid[i, :len(pages)] = True
-    check = ReadCheck(tags=torch.tensor([r[0] for r in rows]), page_table=table, page_valid=valid,
-                      epochs=epochs, read_before=torch.tensor([r[3] for r in rows]))
+    check = ReadCheck(tags=[r[0] for r in rows], tables=[list(r[1]) for r in rows],
+                      epochs=[list(r[2]) for r in rows], read_before=[r[3] for r in rows])
     return pool, check
 
 
+# Both ways of finding failing pages: tensor ops (the reference) and the fused kernel.
+GUARD_IMPLEMENTATIONS = {"torch": lambda: None, "kernel": cpu_ops}
+
+
+@pytest.mark.parametrize("impl", GUARD_IMPLEMENTATIONS)
 @settings(max_examples=300, deadline=None)
 @given(batch=guarded_batch(), data=st.data())
-def test_guard_passes_sequences_reading_their_own_writes(batch, data):
+def test_guard_passes_sequences_reading_their_own_writes(impl, batch, data):
     pool, check = _build(*batch, data)
-    assert check_reads(pool, check) == []
+    assert check_reads(pool, check, GUARD_IMPLEMENTATIONS[impl]()) == []
 
 
+@pytest.mark.parametrize("impl", GUARD_IMPLEMENTATIONS)
 @settings(max_examples=400, deadline=None)
 @given(batch=guarded_batch(), data=st.data(),
-       kind=st.sampled_from(["writer", "pool_epoch", "expected_epoch", "filled", "overread"]))
-def test_guard_fails_exactly_the_row_whose_read_changed(batch, data, kind):
+       kind=st.sampled_from(["writer", "pool_epoch", "expected_epoch", "filled", "overread", "outside"]))
+def test_guard_fails_exactly_the_row_whose_read_changed(impl, batch, data, kind):
     page_size, specs = batch
     pool, check = _build(page_size, specs, data)
     needed = lambda row, col: max(0, min(page_size, int(check.read_before[row]) - col * page_size))
-    valid_cells = [(r, c) for r in range(len(specs)) for c in range(len(check.page_table[r]))
-                   if check.page_valid[r, c]]
+    valid_cells = [(r, c) for r in range(len(specs)) for c in range(len(check.tables[r]))]
     if kind in ("writer", "filled"):
         cells = [(r, c) for r, c in valid_cells if needed(r, c) > 0]
     elif kind == "overread":  # read one slot or more past what the row wrote, within its pages
@@ -250,29 +248,34 @@ def test_guard_fails_exactly_the_row_whose_read_changed(batch, data, kind):
         cells = valid_cells
     assume(cells)
     row, col = data.draw(st.sampled_from(cells))
-    page = int(check.page_table[row, col])
-    tag = int(check.tags[row])
+    page = check.tables[row][col]
+    tag = check.tags[row]
     if kind == "writer":
         others = [int(t) for t in check.tags if int(t) != tag] + [UNWRITTEN, 999]
         pool.writer[page] = data.draw(st.sampled_from(others))
     elif kind == "pool_epoch":  # the page was released and allocated again since
         pool.epoch[page] += data.draw(st.integers(1, 5))
     elif kind == "expected_epoch":
-        check.epochs[row, col] += data.draw(st.sampled_from([-1, 1, 7]))
+        check.epochs[row][col] += data.draw(st.sampled_from([-1, 1, 7]))
+    elif kind == "outside":  # a page id that is not in the pool at all
+        page = data.draw(st.sampled_from([-1, pool.num_pages, pool.num_pages + 5]))
+        check.tables[row][col] = page
     elif kind == "filled":
         pool.filled[page] = data.draw(st.integers(0, needed(row, col) - 1))
     else:
         written, _, n = specs[row]
         check.read_before[row] = data.draw(st.integers(written + 1, n * page_size))
         page = None
-    violations = check_reads(pool, check)
+    violations = check_reads(pool, check, GUARD_IMPLEMENTATIONS[impl]())
     assert [v.row for v in violations] == [row]
     v = violations[0]
     assert v.expected_tag == tag
     if page is not None:
         assert v.pages == [page]
     else:
-        assert v.pages and all(p in check.page_table[row].tolist() for p in v.pages)
+        assert v.pages and all(p in check.tables[row] for p in v.pages)
+    # The kernel and the reference name the same pages with the same facts.
+    assert violations == check_reads(pool, check, None)
 
 
 # ---- the engine keeps page metadata right and returns every page ----------------------------

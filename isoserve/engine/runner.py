@@ -14,7 +14,7 @@ from isoserve.engine.sampler import sample
 from isoserve.engine.scheduler import ScheduledChunk
 from isoserve.engine.sequence import Sequence, TokenLogprob
 from isoserve.kv.guard import ReadCheck, Violation, check_reads
-from isoserve.kv.pool import KVPool
+from isoserve.kv.pool import KVPool, page_tables
 from isoserve.model.llama import LlamaModel
 from isoserve.model.paged_attention import PrefillChunk, StepAttention
 
@@ -56,14 +56,9 @@ class ModelRunner:
 
     def guard_sequences(self, seqs: list[Sequence], read_before: list[int]) -> list[tuple[Sequence, Violation]]:
         """Check that each sequence owns positions [0, read_before) of its pages (one batch check)."""
-        width = max(len(s.pages) for s in seqs)
-        pages = _padded([s.pages for s in seqs], width)
-        epochs = _padded([s.page_epochs for s in seqs], width)
-        valid = torch.arange(width)[None, :] < torch.tensor([len(s.pages) for s in seqs])[:, None]
-        check = ReadCheck(tags=torch.tensor([s.tag for s in seqs], dtype=torch.int64),
-                          page_table=pages, page_valid=valid, epochs=epochs,
-                          read_before=torch.tensor(read_before, dtype=torch.int64))
-        found = check_reads(self.pool, check)
+        check = ReadCheck(tags=[s.tag for s in seqs], tables=[s.pages for s in seqs],
+                          epochs=[s.page_epochs for s in seqs], read_before=read_before)
+        found = check_reads(self.pool, check, self.model.ops.kernels)
         for v in found:
             log.error("KV isolation violation: request %s (tag %d) would read KV it does not own: %s",
                       seqs[v.row].request_id, seqs[v.row].tag, v.describe())
@@ -119,9 +114,5 @@ class ModelRunner:
     def _decode_table(self, tables: list[list[int]]) -> torch.Tensor:
         if not tables:
             return torch.zeros(0, 1, dtype=torch.int64, device=self.device)
-        return _padded(tables, max(len(t) for t in tables)).to(self.device)
+        return page_tables(tables, max(len(t) for t in tables)).to(self.device)
 
-
-def _padded(rows: list[list[int]], width: int) -> torch.Tensor:
-    """Rows of ints as one [len(rows), width] int64 tensor, padded with 0 (always masked)."""
-    return torch.tensor([r + [0] * (width - len(r)) for r in rows], dtype=torch.int64)

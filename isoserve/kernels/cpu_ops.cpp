@@ -9,6 +9,7 @@
 // address the KV pool is bounds-checked against the pool before any read or write. Ownership
 // of those pages is the read guard's job (kv/guard.py), done before the step starts.
 #include <torch/extension.h>
+#include <pybind11/stl.h>
 #include <ATen/Parallel.h>
 
 #include <algorithm>
@@ -354,6 +355,42 @@ torch::Tensor decode_attention(const torch::Tensor& q, const torch::Tensor& k_ca
   return out;
 }
 
+// ---- The read guard's check (kv/guard.py) -----------------------------------------------------
+// For each sequence b and each page j of its table: the page is in the pool, still in the epoch
+// the sequence got it in, and, over the slots this step reads as already written (the first
+// read_before[b] positions), written by the sequence's tag. Returns the failing (b, j) pairs;
+// guard.py describes them. Plain lists in, so a small batch pays for no tensor construction.
+
+std::vector<std::pair<int64_t, int64_t>> check_reads(
+    const torch::Tensor& writer, const torch::Tensor& epoch, const torch::Tensor& filled,
+    const std::vector<int64_t>& tags, const std::vector<std::vector<int64_t>>& tables,
+    const std::vector<std::vector<int64_t>>& epochs, const std::vector<int64_t>& read_before,
+    int64_t page_size) {
+  check_index(writer, "writer");
+  check_index(epoch, "epoch");
+  TORCH_CHECK(filled.device().is_cpu() && filled.scalar_type() == at::kInt && filled.is_contiguous(),
+              "filled must be a contiguous int32 CPU tensor");
+  const int64_t num_pages = writer.numel();
+  TORCH_CHECK(epoch.numel() == num_pages && filled.numel() == num_pages, "page fields disagree in length");
+  TORCH_CHECK(tables.size() == tags.size() && epochs.size() == tags.size() && read_before.size() == tags.size(),
+              "one tag, page table, epoch list and read_before per sequence");
+  const int64_t* w = writer.data_ptr<int64_t>();
+  const int64_t* e = epoch.data_ptr<int64_t>();
+  const int32_t* f = filled.data_ptr<int32_t>();
+  std::vector<std::pair<int64_t, int64_t>> bad;
+  for (size_t b = 0; b < tags.size(); ++b) {
+    TORCH_CHECK(epochs[b].size() == tables[b].size(), "sequence ", b, ": one epoch per page");
+    for (size_t j = 0; j < tables[b].size(); ++j) {
+      const int64_t page = tables[b][j];
+      const int64_t needed = std::clamp<int64_t>(read_before[b] - static_cast<int64_t>(j) * page_size, 0, page_size);
+      const bool ok = page >= 0 && page < num_pages && e[page] == epochs[b][j] &&
+                      (needed == 0 || (w[page] == tags[b] && f[page] >= needed));
+      if (!ok) bad.emplace_back(b, j);
+    }
+  }
+  return bad;
+}
+
 }  // namespace
 
 PYBIND11_MODULE(TORCH_EXTENSION_NAME, m) {
@@ -362,4 +399,5 @@ PYBIND11_MODULE(TORCH_EXTENSION_NAME, m) {
   m.def("silu_mul", &silu_mul, "silu(gate) * up of a merged [rows, 2n] gate-up");
   m.def("rotary_store", &rotary_store, "RoPE on Q and K; K and V written to their cache slots");
   m.def("decode_attention", &decode_attention, "one-query attention over paged KV, in place");
+  m.def("check_reads", &check_reads, "the read guard: (sequence, page index) pairs that fail");
 }

@@ -21,6 +21,12 @@ from isoserve.model.config import ModelConfig
 UNWRITTEN = 0  # writer tag of a page that nobody has written since it was allocated
 
 
+def page_tables(rows: list[list[int]], width: int) -> torch.Tensor:
+    """Page lists as one [len(rows), width] int64 tensor, padded with page 0: a real page, so
+    every reader of the padding must mask it out (by length or by a validity mask)."""
+    return torch.tensor([r + [0] * (width - len(r)) for r in rows], dtype=torch.int64)
+
+
 class KVPool:
     def __init__(self, model: ModelConfig, num_pages: int, page_size: int,
                  dtype: torch.dtype, device: torch.device | str = "cpu"):

@@ -29,6 +29,7 @@ FUSED_DTYPES = (torch.bfloat16, torch.float32)
 
 class TorchOps:
     name = "torch ops"
+    kernels = None  # the read guard (kv/guard.py) then checks with tensor ops too
 
     @staticmethod
     def rms_norm(x: torch.Tensor, weight: torch.Tensor, eps: float) -> torch.Tensor:
@@ -65,7 +66,7 @@ class FusedOps:
     name = "fused CPU kernels"
 
     def __init__(self, kernels):
-        self._k = kernels
+        self.kernels = kernels  # the read guard uses them too (kv/guard.py)
         self.rms_norm = kernels.rms_norm
         self.add_rms_norm = kernels.add_rms_norm
         self.silu_mul = kernels.silu_mul
@@ -73,7 +74,7 @@ class FusedOps:
 
     def decode_attention(self, q: torch.Tensor, k_cache: torch.Tensor, v_cache: torch.Tensor,
                          attn: StepAttention, scale: float) -> torch.Tensor:
-        return self._k.decode_attention(q.contiguous(), k_cache, v_cache, attn.decode_pages,
+        return self.kernels.decode_attention(q.contiguous(), k_cache, v_cache, attn.decode_pages,
                                         attn.decode_lens, scale)
 
 
