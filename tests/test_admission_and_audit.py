@@ -336,3 +336,26 @@ def test_allow_undersized_kv_lowers_and_enforces_the_advertised_limit(tmp_path, 
         assert r.json()["choices"][0]["text"] == solo_text(reference, over[:limit], max_tokens)
         assert_context_length_exceeded(complete(s.base_url, key, model, over[:limit + 1], max_tokens),
                                        limit + 1, limit)
+
+
+def test_router_exports_worker_counters_by_their_growth():
+    """Heartbeats carry cumulative counters, some of them bytes: the router adds each one's growth
+    in one step (it once counted byte counters one by one, two-thirds of its core under load)."""
+    from isoserve.server.metrics import Metrics
+    from isoserve.server.router import Router, RouterSettings, WorkerInfo
+
+    metrics = Metrics()
+    router = Router(RouterSettings("m", 8192, 16), b"s" * 32, "ipc:///nonexistent", None, metrics)
+    try:
+        worker = WorkerInfo("decode-0", "decode", 1, "vm", 1024, 64, 16, 8192, "ipc:///kv")
+        pages = {"pages_total": 64, "pages_used": 0, "pages_free": 64}
+        for counters in ({"rejected_transfers_checksum": 2, "transfer_bytes_sent": 3 * 10**9},
+                         {"rejected_transfers_checksum": 5, "transfer_bytes_sent": 9 * 10**9,
+                          "guard_violations": 1}):
+            router._on_heartbeat(worker, {**pages, "counters": counters})
+        sample = metrics.registry.get_sample_value
+        assert sample("isoserve_kv_transfers_rejected_total", {"reason": "checksum"}) == 5
+        assert sample("isoserve_guard_violations_total", {"worker": "decode-0", "guard": "writer_tags"}) == 1
+    finally:
+        router.sock.close(0)
+        router.ctx.term()

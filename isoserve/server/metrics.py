@@ -103,14 +103,14 @@ class Metrics:
         self.transfer_bytes.inc(nbytes)
         self.transfer_latency.observe(seconds)
 
-    def count_rejected_transfer(self, reason: str) -> None:
-        self.rejected_transfers.labels(reason).inc()
+    def count_rejected_transfer(self, reason: str, n: int = 1) -> None:
+        self.rejected_transfers.labels(reason).inc(n)
 
-    def count_guard_violation(self, worker: str, guard: str) -> None:
-        self.guard_violations.labels(worker, guard).inc()
+    def count_guard_violation(self, worker: str, guard: str, n: int = 1) -> None:
+        self.guard_violations.labels(worker, guard).inc(n)
 
-    def count_rejected_message(self, channel: str) -> None:
-        self.rejected_messages.labels(channel).inc()
+    def count_rejected_message(self, channel: str, n: int = 1) -> None:
+        self.rejected_messages.labels(channel).inc(n)
 
     def count_worker_restart(self, role: str) -> None:
         self.worker_restarts.labels(role).inc()

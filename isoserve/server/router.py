@@ -341,17 +341,19 @@ class Router:
         for name, value in stats.get("counters", {}).items():
             delta = value - worker.counters_seen.get(name, 0)
             worker.counters_seen[name] = value
-            for _ in range(max(delta, 0)):
-                self._count_worker_event(worker, name)
+            if delta > 0:
+                self._count_worker_events(worker, name, delta)
 
-    def _count_worker_event(self, worker: WorkerInfo, name: str) -> None:
-        """Workers report cumulative counters in heartbeats; the router exports them."""
+    def _count_worker_events(self, worker: WorkerInfo, name: str, n: int) -> None:
+        """Workers report cumulative counters in heartbeats; the router exports their growth.
+        Added in one step: a byte counter grows by millions per heartbeat, and counting it one
+        by one took two-thirds of the router's core under load."""
         if name == "guard_violations":
-            self.metrics.count_guard_violation(worker.id, "writer_tags")
+            self.metrics.count_guard_violation(worker.id, "writer_tags", n)
         elif name.startswith("rejected_transfers_"):
-            self.metrics.count_rejected_transfer(name.removeprefix("rejected_transfers_"))
+            self.metrics.count_rejected_transfer(name.removeprefix("rejected_transfers_"), n)
         elif name.startswith("unauthenticated_messages_"):
-            self.metrics.count_rejected_message(f"{worker.role}:{name.removeprefix('unauthenticated_messages_')}")
+            self.metrics.count_rejected_message(f"{worker.role}:{name.removeprefix('unauthenticated_messages_')}", n)
 
     async def _watch_heartbeats(self) -> None:
         while True:
