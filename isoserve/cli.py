@@ -62,6 +62,9 @@ def build_parser() -> argparse.ArgumentParser:
     serve.add_argument("--mode", default="disaggregated", choices=["disaggregated", "aggregated"])
     serve.add_argument("--prefill-workers", type=int, default=1)
     serve.add_argument("--decode-workers", type=int, default=1)
+    serve.add_argument("--prefill-max-num-seqs", type=int, default=None, metavar="N",
+                       help="prompts a prefill worker computes in one step at most (default: "
+                            "--max-num-seqs); fewer hand their KV to decode sooner")
     serve.add_argument("--aggregated-workers", type=int, default=1, help="workers in --mode aggregated")
     serve.add_argument("--tenants", default=os.path.expanduser("~/.config/isoserve/tenants.toml"),
                        help="tenants file (TOML, keys stored hashed); created on first start")

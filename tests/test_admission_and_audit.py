@@ -359,3 +359,24 @@ def test_router_exports_worker_counters_by_their_growth():
     finally:
         router.sock.close(0)
         router.ctx.term()
+
+
+def test_serve_passes_prefill_max_num_seqs_to_prefill_workers_only():
+    from isoserve.cli import build_parser
+    from isoserve.server.launcher import _worker_command
+
+    def parse(*argv):
+        args = build_parser().parse_args(["serve", *argv])
+        args.disabled_guards = frozenset()  # as cli.main sets it from --unsafe-disable-guard
+        return args
+
+    def flag(cmd, name):
+        return cmd[cmd.index(name) + 1]
+
+    args = parse("--max-num-seqs", "48", "--prefill-max-num-seqs", "4", "--no-fused-kernels")
+    prefill = _worker_command(args, "prefill", 0, "ipc:///r", "ipc:///kv", 1)
+    decode = _worker_command(args, "decode", 0, "ipc:///r", "ipc:///kv", 1)
+    assert flag(prefill, "--max-num-seqs") == "4" and flag(decode, "--max-num-seqs") == "48"
+    assert "--no-fused-kernels" in prefill and "--no-fused-kernels" in decode
+    default = parse("--max-num-seqs", "48")
+    assert flag(_worker_command(default, "prefill", 0, "ipc:///r", "ipc:///kv", 1), "--max-num-seqs") == "48"

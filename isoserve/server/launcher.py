@@ -126,12 +126,18 @@ def _local_endpoint(endpoint: str) -> str:
     return endpoint.replace("://0.0.0.0:", "://127.0.0.1:").replace("://*:", "://127.0.0.1:")
 
 
+def _max_num_seqs(args, role: str) -> int:
+    if role == "prefill" and getattr(args, "prefill_max_num_seqs", None):
+        return args.prefill_max_num_seqs
+    return args.max_num_seqs
+
+
 def _worker_command(args, role: str, index: int, router: str, kv_endpoint: str, threads: int) -> list[str]:
     prefix = "" if role == "aggregated" else f"{role}_"
     cmd = [sys.executable, "-m", "isoserve.cli", "--log-level", args.log_level, "worker",
            "--role", role, "--router", router, "--worker-id", f"{role}-{index}",
            "--model", args.model, "--dtype", args.dtype, "--device", args.device,
-           "--page-size", str(args.page_size), "--max-num-seqs", str(args.max_num_seqs),
+           "--page-size", str(args.page_size), "--max-num-seqs", str(_max_num_seqs(args, role)),
            "--max-batched-tokens", str(args.max_batched_tokens), "--int4-max-rows", str(args.int4_max_rows),
            "--transfer-timeout", str(args.transfer_timeout), "--threads", str(threads)]
     if args.context_length:
