@@ -139,6 +139,28 @@ def test_decode_attention_reads_only_its_keys(fused, dtype, lens):
     torch.testing.assert_close(actual.double(), gold, rtol=tolerance, atol=tolerance)
 
 
+def test_decode_attention_in_bf16_is_at_least_as_exact_as_the_torch_path(fused):
+    """The kernel keeps scores and probabilities in float32 where the torch path rounds them to
+    bf16 in between: against the float64 definition, its error is no larger."""
+    q, k, v, attn = _attention_case(torch.bfloat16, [9, 3, 21, 40], seed=5)
+    k, v = k.nan_to_num(0.0), v.nan_to_num(0.0)  # the torch path multiplies padding by zero
+    gold = _gold_attention(q, k, v, attn, 0.25)
+    fused_error = (fused.decode_attention(q, k, v, attn, 0.25).double() - gold).abs().max()
+    torch_error = (TorchOps.decode_attention(q, k, v, attn, 0.25).double() - gold).abs().max()
+    assert fused_error <= torch_error
+
+
+def test_decode_attention_refuses_a_length_past_its_own_pages(fused):
+    """Page tables are padded with NO_PAGE: a row whose length ran past its own pages (the other
+    rows' tables are wider) is refused, never served from a page it does not hold."""
+    from isoserve.kv.pool import NO_PAGE, page_tables
+    q, k, v, _ = _attention_case(torch.float32, [6, 8])
+    pages = page_tables([[1], [2, 3]], 2)
+    assert pages[0, 1] == NO_PAGE
+    with pytest.raises(RuntimeError, match="outside the pool"):
+        cpu_ops().decode_attention(q, k, v, pages, torch.tensor([6, 8]), 0.25)
+
+
 def test_decode_attention_matches_torch_path(fused):
     q, k, v, attn = _attention_case(torch.float32, [9, 3, 21], seed=3)
     k, v = k.nan_to_num(0.0), v.nan_to_num(0.0)  # the torch path multiplies padding by zero

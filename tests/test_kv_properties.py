@@ -223,6 +223,32 @@ def _build(page_size, specs, chunking: st.DataObject):
 GUARD_IMPLEMENTATIONS = {"torch": lambda: None, "kernel": cpu_ops}
 
 
+@settings(max_examples=400, deadline=None)
+@given(data=st.data())
+def test_guard_kernel_and_tensor_reference_flag_the_same_pages(data):
+    """Arbitrary pool fields and page tables, ids outside the pool, empty tables and any
+    read_before included: the kernel's check and the tensor version agree cell for cell."""
+    from isoserve.kv.guard import failing_pages_torch
+    page_size = data.draw(st.sampled_from([1, 2, 4, 16]))
+    num_pages = data.draw(st.integers(1, 12))
+    pool = KVPool(CONFIG, num_pages, page_size, torch.float32)
+    small = st.integers(0, 3)
+    pool.writer[:] = torch.tensor(data.draw(st.lists(small, min_size=num_pages, max_size=num_pages)))
+    pool.epoch[:] = torch.tensor(data.draw(st.lists(small, min_size=num_pages, max_size=num_pages)))
+    pool.filled[:] = torch.tensor(data.draw(st.lists(st.integers(0, page_size), min_size=num_pages,
+                                                     max_size=num_pages)), dtype=torch.int32)
+    rows = data.draw(st.integers(1, 4))
+    tables = [data.draw(st.lists(st.integers(-2, num_pages + 1), max_size=5)) for _ in range(rows)]
+    check = ReadCheck(tags=[data.draw(small) for _ in range(rows)], tables=tables,
+                      epochs=[[data.draw(small) for _ in t] for t in tables],
+                      read_before=[data.draw(st.integers(-3, 6 * page_size)) for _ in range(rows)])
+    expected = sorted(failing_pages_torch(pool, check))
+    found = sorted(tuple(p) for p in cpu_ops().check_reads(
+        pool.writer, pool.epoch, pool.filled, check.tags, check.tables, check.epochs,
+        check.read_before, page_size))
+    assert found == expected
+
+
 @pytest.mark.parametrize("impl", GUARD_IMPLEMENTATIONS)
 @settings(max_examples=300, deadline=None)
 @given(batch=guarded_batch(), data=st.data())

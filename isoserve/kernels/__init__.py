@@ -1,14 +1,21 @@
 """Fused CPU kernels (cpu_ops.cpp), built with torch's C++ extension builder.
 
-`make install` builds them once into torch's extension cache (ninja and the system C++
-compiler); a worker then only loads the built library. Where they cannot be built (no
-compiler, not a CPU model), the model runs the same steps as torch ops (model/layer_ops.py);
-the engine's startup log says which.
+`make install` builds them once (`python -m isoserve.kernels`: ninja and the system C++
+compiler) into a folder named after a hash of the source, the flags and the torch version.
+A worker then imports the built library directly: torch's own `load()` takes a lock file and
+runs ninja in every process, and a worker killed in that window (a restart, a kill -9) would
+leave the lock behind and hang every later start. Only a process that finds no library for
+this source builds one. Where the kernels do not apply (CUDA, float16) or cannot be built, the
+model runs the same steps as torch ops (model/layer_ops.py); the engine's startup log says which.
 """
 from __future__ import annotations
 
 import functools
+import hashlib
+import importlib.machinery
+import importlib.util
 import logging
+import os
 import sys
 from pathlib import Path
 from types import ModuleType
@@ -27,13 +34,45 @@ class KernelsUnavailable(RuntimeError):
     pass
 
 
+def build_root() -> Path:
+    return Path(os.environ.get("ISOSERVE_KERNELS_DIR", Path.home() / ".cache" / "isoserve" / "kernels"))
+
+
+def module_name() -> str:
+    """Names the build: a changed source, flag or torch version is a different library."""
+    import torch
+    digest = hashlib.sha256()
+    for part in (SOURCE.read_bytes(), " ".join(CFLAGS + LDFLAGS).encode(), torch.__version__.encode(),
+                 sys.version.encode()):
+        digest.update(part)
+    return f"isoserve_cpu_ops_{digest.hexdigest()[:12]}"
+
+
 @functools.cache
 def cpu_ops() -> ModuleType:
-    """The compiled module; built on first use if `make install` has not built it yet."""
-    from torch.utils.cpp_extension import load
+    """The compiled module: imported when built, built first otherwise."""
+    name = module_name()
+    folder = build_root() / name
+    library = folder / f"{name}.so"
+    if not library.exists():
+        _build(name, folder)
+    loader = importlib.machinery.ExtensionFileLoader(name, str(library))
+    spec = importlib.util.spec_from_file_location(name, library, loader=loader)
     try:
-        return load(name="isoserve_cpu_ops", sources=[str(SOURCE)], extra_cflags=CFLAGS,
-                    extra_ldflags=LDFLAGS, verbose=False)
+        module = importlib.util.module_from_spec(spec)
+        loader.exec_module(module)
+    except ImportError as e:  # e.g. a library left half-written by an interrupted build
+        raise KernelsUnavailable(f"the fused CPU kernels at {library} do not load ({e}); "
+                                 f"remove {folder} and run `python -m isoserve.kernels`") from e
+    return module
+
+
+def _build(name: str, folder: Path) -> None:
+    from torch.utils.cpp_extension import load
+    folder.mkdir(parents=True, exist_ok=True)
+    try:
+        load(name=name, sources=[str(SOURCE)], extra_cflags=CFLAGS, extra_ldflags=LDFLAGS,
+             build_directory=str(folder), verbose=False)
     except (OSError, RuntimeError, ImportError) as e:  # no compiler, no ninja, a failed build
         raise KernelsUnavailable(f"the fused CPU kernels could not be built: {e}") from e
 
@@ -52,5 +91,5 @@ def main() -> int:
     if ops is None:
         print(f"isoserve: {why}; the model will use torch ops instead", file=sys.stderr)
         return 1
-    print(f"isoserve: fused CPU kernels built ({ops.__file__})")
+    print(f"isoserve: fused CPU kernels ready ({ops.__file__})")
     return 0

@@ -2,8 +2,11 @@
 //
 // Each kernel replaces a chain of small torch ops whose dispatch cost, not arithmetic, bounds
 // a small decode step (~330 us of the 20 ms batch-1 step per layer went to ~50 op calls).
-// Every kernel rounds where the torch reference in model/layer_ops.py rounds, so the two paths
-// agree to the last bit or within one rounding of a float32 reduction order.
+// The elementwise kernels round where the torch reference in model/layer_ops.py rounds, so the
+// two paths agree to the last bit or within one rounding of a float32 reduction order. Decode
+// attention keeps scores, probabilities and sums in float32 where the reference rounds them to
+// the model dtype in between: in bfloat16 it is closer to exact than the reference is
+// (tests/test_fused_kernels.py checks both against a float64 definition).
 //
 // Memory safety is checked here, not assumed: every page id, slot and length a kernel uses to
 // address the KV pool is bounds-checked against the pool before any read or write. Ownership
@@ -59,8 +62,10 @@ inline void to_float(const T* x, float* out, int64_t n) {
 // by adding and subtracting 1.5 * 2^23 (float addition rounds to nearest): std::floor kept gcc
 // from vectorizing the loop. Never build this file with -ffast-math, which would fold that away.
 inline float fast_exp(float x) {
+  const float input = x;
   x = std::min(std::max(x, -87.0f), 88.0f);
-  const float n = (x * 1.44269504088896341f + 12582912.0f) - 12582912.0f;
+  float n = (x * 1.44269504088896341f + 12582912.0f) - 12582912.0f;
+  n = n == n ? n : 0.0f;  // NaN in: keep the integer conversion below defined
   const float r = (x - n * 0.693359375f) - n * -2.12194440e-4f;
   float p = 1.0f / 5040;
   p = p * r + 1.0f / 720;
@@ -73,7 +78,7 @@ inline float fast_exp(float x) {
   const int32_t bits = (static_cast<int32_t>(n) + 127) << 23;
   float two_n;
   std::memcpy(&two_n, &bits, sizeof two_n);
-  return p * two_n;
+  return input == input ? p * two_n : input;
 }
 
 template <typename T>
@@ -235,6 +240,7 @@ torch::Tensor rotary_store(const torch::Tensor& qkv, const torch::Tensor& cos, c
               "caches must be [kv_heads, pages, page_size, head_dim]");
   const int64_t tokens = qkv.size(0), kv_heads = k_cache.size(0), dim = k_cache.size(3);
   const int64_t cache_slots = k_cache.size(1) * k_cache.size(2);
+  TORCH_CHECK(heads > 0 && kv_heads > 0, "rotary_store needs query and KV heads");
   TORCH_CHECK(qkv.dim() == 2 && qkv.size(1) == (heads + 2 * kv_heads) * dim,
               "qkv must be [tokens, (heads + 2 kv_heads) * head_dim]");
   TORCH_CHECK(dim % 2 == 0, "head_dim must be even");
@@ -332,7 +338,8 @@ torch::Tensor decode_attention(const torch::Tensor& q, const torch::Tensor& k_ca
   const int64_t batch = q.size(0), heads = q.size(1), dim = q.size(2);
   const int64_t kv_heads = k_cache.size(0), num_pages = k_cache.size(1), page_size = k_cache.size(2);
   TORCH_CHECK(k_cache.size(3) == dim, "q and the caches disagree on head_dim");
-  TORCH_CHECK(heads % kv_heads == 0, "query heads must be a multiple of KV heads");
+  TORCH_CHECK(kv_heads > 0 && heads > 0 && heads % kv_heads == 0,
+              "query heads must be a positive multiple of KV heads");
   TORCH_CHECK(pages.dim() == 2 && pages.size(0) == batch && lens.numel() == batch,
               "pages must be [batch, width] and lens [batch]");
   const int64_t width = pages.size(1);

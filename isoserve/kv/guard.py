@@ -52,6 +52,12 @@ def check_reads(pool: KVPool, check: ReadCheck, kernels: ModuleType | None = Non
     """Every page of every sequence must be in the pool, in the epoch the sequence got it in,
     and written by the sequence over the slots read before this step. One Violation per
     sequence that fails, naming its failing pages."""
+    if not check.tags:
+        return []
+    if any(len(e) != len(t) for e, t in zip(check.epochs, check.tables)) or not (
+            len(check.tags) == len(check.tables) == len(check.epochs) == len(check.read_before)):
+        raise ValueError("a read check needs one tag, table, epoch list and read_before per "
+                         "sequence, and one epoch per page")
     if kernels is not None:
         bad = kernels.check_reads(pool.writer, pool.epoch, pool.filled, check.tags, check.tables,
                                   check.epochs, check.read_before, pool.page_size)
@@ -68,6 +74,8 @@ def needed_slots(read_before: int, col: int, page_size: int) -> int:
 def failing_pages_torch(pool: KVPool, check: ReadCheck) -> list[tuple[int, int]]:
     """(row, col) of every failing page, as one batch of tensor ops."""
     page_size, width = pool.page_size, max(len(t) for t in check.tables)
+    if width == 0:
+        return []
     pages = page_tables(check.tables, width)
     valid = torch.arange(width)[None, :] < torch.tensor([len(t) for t in check.tables])[:, None]
     in_pool = (pages >= 0) & (pages < pool.num_pages)

@@ -19,12 +19,14 @@ import torch
 from isoserve.model.config import ModelConfig
 
 UNWRITTEN = 0  # writer tag of a page that nobody has written since it was allocated
+NO_PAGE = -1   # pads page tables: never a page of the pool, so a kernel that reads it fails
 
 
 def page_tables(rows: list[list[int]], width: int) -> torch.Tensor:
-    """Page lists as one [len(rows), width] int64 tensor, padded with page 0: a real page, so
-    every reader of the padding must mask it out (by length or by a validity mask)."""
-    return torch.tensor([r + [0] * (width - len(r)) for r in rows], dtype=torch.int64)
+    """Page lists as one [len(rows), width] int64 tensor, padded with NO_PAGE: a row whose
+    length ran past its own pages makes the fused decode kernel refuse the step rather than
+    read another sequence's page."""
+    return torch.tensor([r + [NO_PAGE] * (width - len(r)) for r in rows], dtype=torch.int64)
 
 
 class KVPool:

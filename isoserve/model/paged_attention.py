@@ -29,7 +29,7 @@ class PrefillChunk:
 class StepAttention:
     write_slots: torch.Tensor    # [T] pool slot (page * page_size + offset) of each token's K/V
     decode_rows: torch.Tensor    # [Bd] rows of single-token queries
-    decode_pages: torch.Tensor   # [Bd, M] page tables, padded with page 0 (never read)
+    decode_pages: torch.Tensor   # [Bd, M] page tables, padded with NO_PAGE (-1)
     decode_lens: torch.Tensor    # [Bd] keys each decode attends to, its own included
     prefills: list[PrefillChunk]
     _decode_bias: torch.Tensor | None = field(default=None, repr=False)
@@ -70,9 +70,10 @@ def paged_attention(q: torch.Tensor, k_cache: torch.Tensor, v_cache: torch.Tenso
 
 
 def _gather(cache: torch.Tensor, pages: torch.Tensor) -> torch.Tensor:
-    """[B, M] page ids -> [kv_heads, B, M * page_size, head_dim]."""
+    """[B, M] page ids -> [kv_heads, B, M * page_size, head_dim]. Padding (NO_PAGE) gathers
+    page 0, which the decode bias masks out."""
     # index_select on the flat id list is several times faster on CPU than advanced indexing.
-    x = cache.index_select(1, pages.flatten())  # [H_kv, B*M, S, D]
+    x = cache.index_select(1, pages.flatten().clamp(min=0))  # [H_kv, B*M, S, D]
     return x.view(cache.shape[0], pages.shape[0], pages.shape[1] * cache.shape[2], cache.shape[3])
 
 
