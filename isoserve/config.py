@@ -1,9 +1,17 @@
 """Engine configuration and the pool capacity arithmetic."""
 from __future__ import annotations
 
+import os
 from dataclasses import dataclass, field
+from pathlib import Path
 
 import torch
+
+
+def default_cache_dir() -> Path:
+    """isoserve's own cache: converted weights (model/loader.py) and built kernels (kernels/)."""
+    return Path(os.environ.get("ISOSERVE_CACHE_DIR") or Path.home() / ".cache" / "isoserve")
+
 
 GUARD_NAMES = ("admission", "capacity_audit", "writer_tags", "transfer_coverage", "transfer_checksum")
 

@@ -72,7 +72,7 @@ def run_header(args, model: str) -> dict:
     return {"label": args.label or "",
             "date": datetime.now(timezone.utc).isoformat(timespec="seconds"),
             "model": model, "dtype": args.dtype, "torch_threads": torch.get_num_threads(),
-            "fused_kernels": getattr(args, "fused_kernels", True),
+            "fused_kernels": args.fused_kernels,
             "machine": machine_facts(),
             "prompt_tokens": args.prompt_tokens, "output_tokens": args.output_tokens,
             "seed": args.seed}

@@ -20,6 +20,8 @@ import sys
 from pathlib import Path
 from types import ModuleType
 
+from isoserve.config import default_cache_dir
+
 log = logging.getLogger("isoserve.kernels")
 
 SOURCE = Path(__file__).with_name("cpu_ops.cpp")
@@ -35,7 +37,7 @@ class KernelsUnavailable(RuntimeError):
 
 
 def build_root() -> Path:
-    return Path(os.environ.get("ISOSERVE_KERNELS_DIR", Path.home() / ".cache" / "isoserve" / "kernels"))
+    return Path(os.environ.get("ISOSERVE_KERNELS_DIR") or default_cache_dir() / "kernels")
 
 
 def module_name() -> str:

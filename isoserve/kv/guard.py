@@ -54,11 +54,7 @@ def check_reads(pool: KVPool, check: ReadCheck, kernels: ModuleType | None = Non
     sequence that fails, naming its failing pages."""
     if not check.tags:
         return []
-    if any(len(e) != len(t) for e, t in zip(check.epochs, check.tables)) or not (
-            len(check.tags) == len(check.tables) == len(check.epochs) == len(check.read_before)):
-        raise ValueError("a read check needs one tag, table, epoch list and read_before per "
-                         "sequence, and one epoch per page")
-    if kernels is not None:
+    if kernels is not None:  # it refuses mismatched lists itself (RuntimeError)
         bad = kernels.check_reads(pool.writer, pool.epoch, pool.filled, check.tags, check.tables,
                                   check.epochs, check.read_before, pool.page_size)
     else:
@@ -73,6 +69,11 @@ def needed_slots(read_before: int, col: int, page_size: int) -> int:
 
 def failing_pages_torch(pool: KVPool, check: ReadCheck) -> list[tuple[int, int]]:
     """(row, col) of every failing page, as one batch of tensor ops."""
+    if any(len(e) != len(t) for e, t in zip(check.epochs, check.tables)) or not (
+            len(check.tags) == len(check.tables) == len(check.epochs) == len(check.read_before)):
+        # Padded and broadcast, mismatched lists would be compared without an error.
+        raise ValueError("a read check needs one tag, table, epoch list and read_before per "
+                         "sequence, and one epoch per page")
     page_size, width = pool.page_size, max(len(t) for t in check.tables)
     if width == 0:
         return []

@@ -74,8 +74,10 @@ class FusedOps:
 
     def decode_attention(self, q: torch.Tensor, k_cache: torch.Tensor, v_cache: torch.Tensor,
                          attn: StepAttention, scale: float) -> torch.Tensor:
-        return self.kernels.decode_attention(q.contiguous(), k_cache, v_cache, attn.decode_pages,
-                                        attn.decode_lens, scale)
+        # q comes contiguous from rotary_store (or from indexing the decode rows); the kernel
+        # refuses anything else rather than copying on the hot path.
+        return self.kernels.decode_attention(q, k_cache, v_cache, attn.decode_pages,
+                                             attn.decode_lens, scale)
 
 
 def select_ops(device: torch.device, dtype: torch.dtype, fused: bool = True) -> tuple[TorchOps | FusedOps, str]:

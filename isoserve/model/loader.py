@@ -9,7 +9,6 @@ from __future__ import annotations
 import hashlib
 import json
 import logging
-import os
 import shutil
 import tempfile
 import time
@@ -20,6 +19,7 @@ import torch
 from safetensors.torch import load_file, save_file
 from transformers import PreTrainedTokenizerFast
 
+from isoserve.config import default_cache_dir
 from isoserve.model import int4
 from isoserve.model.config import ModelConfig
 from isoserve.model.gguf_loader import read_gguf
@@ -44,10 +44,6 @@ class Checkpoint:
                                       # companions (model/int4.py) of a GGUF's Q4_1 projections
     tokenizer: PreTrainedTokenizerFast
     from_cache: bool = False  # True when a GGUF's converted weights came from the cache
-
-
-def default_cache_dir() -> Path:
-    return Path(os.environ.get("ISOSERVE_CACHE_DIR") or Path.home() / ".cache" / "isoserve")
 
 
 def load_checkpoint(model: str, dtype: torch.dtype, cache_dir: Path | None = None) -> Checkpoint:

@@ -127,7 +127,7 @@ def _local_endpoint(endpoint: str) -> str:
 
 
 def _max_num_seqs(args, role: str) -> int:
-    if role == "prefill" and getattr(args, "prefill_max_num_seqs", None):
+    if role == "prefill" and args.prefill_max_num_seqs:
         return args.prefill_max_num_seqs
     return args.max_num_seqs
 
