@@ -89,11 +89,16 @@ def test_rotary_store_matches_torch_and_writes_only_its_slots(fused, dtype):
         assert torch.equal(k_fused.view(2, -1, 16)[:, untouched], k_ref.view(2, -1, 16)[:, untouched])
 
 
-def _attention_case(dtype, lens, page_size=4, pages=40, seed=0):
+# (query heads, KV heads, head_dim): a shape read at run time; the default model's, which the
+# kernel runs unrolled; and a head_dim that is no multiple of the kernel's 16-float vectors.
+ATTENTION_SHAPES = [(6, 2, 16), (9, 3, 64), (4, 1, 24)]
+
+
+def _attention_case(dtype, lens, page_size=4, pages=40, seed=0, shape=ATTENTION_SHAPES[0]):
     """Page tables of random, non-adjacent pages; everything a sequence must not read (pages
     past its length, slots past its length in its last page, table padding) holds NaN."""
     g = torch.Generator().manual_seed(seed)
-    heads, kv_heads, dim = 6, 2, 16
+    heads, kv_heads, dim = shape
     k, v = _caches(dtype, pages=pages, page_size=page_size, kv_heads=kv_heads, dim=dim, seed=seed)
     width = max(-(-n // page_size) for n in lens) + 1  # one page of padding for everyone
     order = torch.randperm(pages - 1, generator=g) + 1    # page 0 is the padding page
@@ -128,10 +133,11 @@ def _gold_attention(q, k, v, attn, scale):
     return torch.stack(out)
 
 
+@pytest.mark.parametrize("shape", ATTENTION_SHAPES)
 @pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])
-@pytest.mark.parametrize("lens", [[1], [5, 4, 13], [16, 1, 9, 30, 2, 7]])
-def test_decode_attention_reads_only_its_keys(fused, dtype, lens):
-    q, k, v, attn = _attention_case(dtype, lens)
+@pytest.mark.parametrize("lens", [[1], [5, 4, 13], [16, 1, 9, 30, 2, 7, 33]])
+def test_decode_attention_reads_only_its_keys(fused, dtype, lens, shape):
+    q, k, v, attn = _attention_case(dtype, lens, shape=shape)
     gold = _gold_attention(q, k, v, attn, 0.25)
     actual = fused.decode_attention(q, k, v, attn, 0.25)
     assert not actual.isnan().any()  # nothing past a sequence's length was read
@@ -139,10 +145,11 @@ def test_decode_attention_reads_only_its_keys(fused, dtype, lens):
     torch.testing.assert_close(actual.double(), gold, rtol=tolerance, atol=tolerance)
 
 
-def test_decode_attention_in_bf16_is_at_least_as_exact_as_the_torch_path(fused):
+@pytest.mark.parametrize("shape", ATTENTION_SHAPES)
+def test_decode_attention_in_bf16_is_at_least_as_exact_as_the_torch_path(fused, shape):
     """The kernel keeps scores and probabilities in float32 where the torch path rounds them to
     bf16 in between: against the float64 definition, its error is no larger."""
-    q, k, v, attn = _attention_case(torch.bfloat16, [9, 3, 21, 40], seed=5)
+    q, k, v, attn = _attention_case(torch.bfloat16, [9, 3, 21, 40], seed=5, shape=shape)
     k, v = k.nan_to_num(0.0), v.nan_to_num(0.0)  # the torch path multiplies padding by zero
     gold = _gold_attention(q, k, v, attn, 0.25)
     fused_error = (fused.decode_attention(q, k, v, attn, 0.25).double() - gold).abs().max()
@@ -161,8 +168,9 @@ def test_decode_attention_refuses_a_length_past_its_own_pages(fused):
         cpu_ops().decode_attention(q, k, v, pages, torch.tensor([6, 8]), 0.25)
 
 
-def test_decode_attention_matches_torch_path(fused):
-    q, k, v, attn = _attention_case(torch.float32, [9, 3, 21], seed=3)
+@pytest.mark.parametrize("shape", ATTENTION_SHAPES)
+def test_decode_attention_matches_torch_path(fused, shape):
+    q, k, v, attn = _attention_case(torch.float32, [9, 3, 21], seed=3, shape=shape)
     k, v = k.nan_to_num(0.0), v.nan_to_num(0.0)  # the torch path multiplies padding by zero
     torch.testing.assert_close(fused.decode_attention(q, k, v, attn, 0.25),
                                TorchOps.decode_attention(q, k, v, attn, 0.25), rtol=1e-5, atol=1e-6)
