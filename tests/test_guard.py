@@ -5,7 +5,8 @@ prefill worker (failpoints) in a live `isoserve serve` -- and the request it tou
 with the right error code, while the other requests of the same batch finish with exactly the
 tokens they get when run alone.
 
-- Engine level, on two model shapes (GQA and plain multi-head attention): a page written by
+- Engine level, on two model shapes (GQA and plain multi-head attention), on the CPU and on a
+  GPU where there is one (tiny_models.DEVICES): a page written by
   another request, a stale epoch, unwritten slots inside the read range. With the writer-tag
   guard switched off, the same forgeries go unnoticed: the check is what catches them.
 - Transfer level, live server: a partial manifest, a wrong checksum, a duplicate transfer, a
@@ -27,7 +28,7 @@ from isoserve import LLM, SamplingParams
 from isoserve.config import EngineConfig
 from isoserve.engine.engine import Engine
 from serving import add_tenant, running_server, subprocess_env
-from tiny_models import make_tiny_llama
+from tiny_models import DEVICES, make_tiny_llama
 
 NEW_TOKENS = 12
 
@@ -78,10 +79,15 @@ def shape_model(request, tmp_path_factory, tiny_llama_dir) -> str:
                                **SHAPES[request.param]))
 
 
+@pytest.fixture(scope="module", params=DEVICES)
+def device(request) -> str:
+    return request.param
+
+
 @pytest.fixture(scope="module")
-def solo_tokens(shape_model) -> list[list[int]]:
+def solo_tokens(shape_model, device) -> list[list[int]]:
     """Each prompt of BATCH generated alone."""
-    engine = Engine(EngineConfig(model=shape_model, dtype="float32", kv_tokens=1024))
+    engine = Engine(EngineConfig(model=shape_model, dtype="float32", kv_tokens=1024, device=device))
     solo = []
     for i, ids in enumerate(BATCH):
         engine.add_request(f"solo-{i}", ids, GREEDY)
@@ -96,13 +102,13 @@ def solo_tokens(shape_model) -> list[list[int]]:
 
 
 @pytest.fixture(scope="module")
-def guarded_engine(shape_model) -> Engine:
-    return Engine(EngineConfig(model=shape_model, dtype="float32", kv_tokens=1024))
+def guarded_engine(shape_model, device) -> Engine:
+    return Engine(EngineConfig(model=shape_model, dtype="float32", kv_tokens=1024, device=device))
 
 
 @pytest.fixture(scope="module")
-def unguarded_engine(shape_model) -> Engine:
-    return Engine(EngineConfig(model=shape_model, dtype="float32", kv_tokens=1024,
+def unguarded_engine(shape_model, device) -> Engine:
+    return Engine(EngineConfig(model=shape_model, dtype="float32", kv_tokens=1024, device=device,
                                disabled_guards=frozenset({"writer_tags"})))
 
 

@@ -24,11 +24,19 @@ from isoserve.model.registry import DEFAULT_MODEL, resolve_model
 from isoserve.model.tokenizer import load_tokenizer
 
 SMOLLM2_VOCAB_SIZE = 49152
+# Where engine tests run: the CPU always, and a GPU where this machine has one (the CUDA path is
+# checked on such a machine by bench/device_check.sh; CI has none).
+DEVICES = ["cpu"] + (["cuda"] if torch.cuda.is_available() else [])
 SMOLLM2_BOS, SMOLLM2_EOS = 1, 2  # <|im_start|>, <|im_end|>
 
 
 def make_tiny_llama(path: Path, *, num_heads: int = 4, num_kv_heads: int = 2, hidden_size: int = 64,
-                    num_layers: int = 2, intermediate_size: int = 128, seed: int = 0) -> Path:
+                    num_layers: int = 2, intermediate_size: int = 128, seed: int = 0,
+                    tokenizer_dir: Path | None = None) -> Path:
+    """tokenizer_dir (default: $ISOSERVE_TEST_TOKENIZER_DIR): SmolLM2's tokenizer files saved
+    there, for a machine without the default model's package (bench/device_check.sh); without
+    it they come from that package."""
+    tokenizer_dir = tokenizer_dir or os.environ.get("ISOSERVE_TEST_TOKENIZER_DIR")
     path.mkdir(parents=True, exist_ok=True)
     config = LlamaConfig(
         vocab_size=SMOLLM2_VOCAB_SIZE, hidden_size=hidden_size, intermediate_size=intermediate_size,
@@ -50,7 +58,9 @@ def make_tiny_llama(path: Path, *, num_heads: int = 4, num_kv_heads: int = 2, hi
     config.save_pretrained(path)
     save_file({k: v.contiguous() for k, v in model.state_dict().items()}, path / "model.safetensors",
               metadata={"format": "pt"})
-    for name, data in _smollm2_tokenizer_files().items():
+    files = (_smollm2_tokenizer_files() if tokenizer_dir is None
+             else {p.name: p.read_bytes() for p in Path(tokenizer_dir).iterdir()})
+    for name, data in files.items():
         (path / name).write_bytes(data)
     return path
 

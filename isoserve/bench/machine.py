@@ -65,6 +65,13 @@ def layers_note(run: dict) -> str:
     return "" if run.get("fused_kernels", True) else ", isoserve's layers as torch ops"
 
 
+def where(run: dict) -> str:
+    """For a table's title: the GPU a run used, or the CPU threads it had."""
+    if run.get("device", "cpu").startswith("cuda"):
+        return f"on {run['gpu']}"
+    return f"{run['torch_threads']} threads"
+
+
 def run_header(args, model: str) -> dict:
     """What every offline run's JSON starts with: which run, when, what, where, with which sizes."""
     import torch
@@ -72,6 +79,8 @@ def run_header(args, model: str) -> dict:
     return {"label": args.label or "",
             "date": datetime.now(timezone.utc).isoformat(timespec="seconds"),
             "model": model, "dtype": args.dtype, "torch_threads": torch.get_num_threads(),
+            "device": args.device,
+            "gpu": torch.cuda.get_device_name() if args.device.startswith("cuda") else None,
             "fused_kernels": args.fused_kernels,
             "machine": machine_facts(),
             "prompt_tokens": args.prompt_tokens, "output_tokens": args.output_tokens,

@@ -53,6 +53,8 @@ def add_arguments(p: argparse.ArgumentParser) -> None:
     offline = p.add_argument_group("offline mode (isoserve's LLM vs transformers, one process)")
     offline.add_argument("--offline", action="store_true", help="run the offline comparison")
     offline.add_argument("--dtype", default="bfloat16", choices=["bfloat16", "float32"])
+    offline.add_argument("--device", default="cpu",
+                         help="cpu (default) or cuda: where both isoserve and its peers run (offline mode)")
     offline.add_argument("--batch", type=_int_list, default=[1, 8, 32], metavar="B[,B...]",
                          help="prompts generated together (default 1,8,32)")
     offline.add_argument("--no-fused-kernels", dest="fused_kernels", action="store_false",

@@ -9,7 +9,7 @@ import os
 import random
 import time
 
-from isoserve.bench.machine import layers_note, run_header
+from isoserve.bench.machine import layers_note, run_header, where
 from isoserve.bench.workload import random_words
 
 WARMUP_PROMPTS, WARMUP_TOKENS = 2, 4
@@ -28,7 +28,7 @@ def prompt_ids(tokenizer, count: int, length: int, seed: int) -> list[list[int]]
     return prompts
 
 
-def build_peers(names: list[str], model: str, dtype: str, llm):
+def build_peers(names: list[str], model: str, dtype: str, llm, device: str = "cpu"):
     from isoserve.bench import peers
     from isoserve.config import parse_dtype
 
@@ -39,7 +39,7 @@ def build_peers(names: list[str], model: str, dtype: str, llm):
     if not names:
         return chosen
     print(f"loading transformers' model for {model} ({dtype}) ...", flush=True)
-    reference = peers.load_reference_model(model, parse_dtype(dtype))
+    reference = peers.load_reference_model(model, parse_dtype(dtype)).to(device)
     tok = llm.tokenizer
     pad = tok.pad_token_id if tok.pad_token_id is not None else tok.eos_token_id
     if "transformers" in names:
@@ -60,8 +60,8 @@ def run_offline(args) -> dict:
     from isoserve import LLM
 
     model = args.model or "smollm2-135m-instruct"
-    llm = LLM(model=model, dtype=args.dtype, fused_kernels=args.fused_kernels)
-    chosen = build_peers(args.peers, model, args.dtype, llm)
+    llm = LLM(model=model, dtype=args.dtype, device=args.device, fused_kernels=args.fused_kernels)
+    chosen = build_peers(args.peers, model, args.dtype, llm, args.device)
     prompts = prompt_ids(llm.tokenizer, max(args.batch), args.prompt_tokens, args.seed)
     for peer in chosen:
         print(f"warming up {peer.name} ...", flush=True)
@@ -92,7 +92,7 @@ def table(run: dict) -> str:
     header = f"{'batch':>5} {'isoserve tok/s':>15}" + "".join(
         f" {p + ' tok/s':>20} {'ratio':>6}" for p in others)
     lines = [f"== offline: {run['model']} {run['dtype']}, {run['prompt_tokens']}-token prompts, "
-             f"{run['output_tokens']} new tokens, {run['torch_threads']} threads{layers_note(run)} ==", header]
+             f"{run['output_tokens']} new tokens, {where(run)}{layers_note(run)} ==", header]
     for row in run["results"]:
         line = f"{row['batch']:>5} {row['isoserve']['output_tokens_per_s']:>15.1f}"
         for p in others:

@@ -50,6 +50,7 @@ class TransformersPeer:
         for row, prompt in enumerate(prompts):  # left padding: every prompt ends at the last column
             ids[row, width - len(prompt):] = torch.tensor(prompt)
             mask[row, width - len(prompt):] = 1
+        ids, mask = ids.to(self.model.device), mask.to(self.model.device)
         out = self.model.generate(input_ids=ids, attention_mask=mask, do_sample=False,
                                   max_new_tokens=new_tokens, min_new_tokens=new_tokens,
                                   pad_token_id=self.pad_token_id)
