@@ -17,6 +17,7 @@
 # Needs python3 with torch (CUDA), transformers, and isoserve's requirements; where the default
 # model's package is missing, SmolLM2's tokenizer files in $ISOSERVE_TEST_TOKENIZER_DIR.
 # Exit status 0 only when every step passed.
+# ISOSERVE_DEVCHECK_STEPS picks steps (default: correctness,offline,http,probe).
 set -u -o pipefail
 out=${1:?usage: bench/device_check.sh OUT_DIR}
 mkdir -p "$out"
@@ -24,6 +25,8 @@ export PYTHONPATH="$PWD${PYTHONPATH:+:$PYTHONPATH}" HF_HUB_OFFLINE=1 PYTHONUNBUF
 model=${ISOSERVE_DEVCHECK_MODEL:-/tmp/isoserve-smol-shape}
 device=${ISOSERVE_DEVCHECK_DEVICE:-cuda}  # cpu: a dry run of this script on a machine without a GPU
 isoserve() { python3 -m isoserve.cli "$@"; }
+steps=",${ISOSERVE_DEVCHECK_STEPS:-correctness,offline,http,probe},"
+wanted() { [[ $steps == *",$1,"* ]]; }
 failed=()
 step() { echo; echo "== $1 =="; }
 
@@ -32,8 +35,10 @@ nvidia-smi --query-gpu=name,memory.total,driver_version --format=csv,noheader | 
 python3 -c 'import torch; print("torch", torch.__version__, "cuda", torch.version.cuda, torch.cuda.is_available())'
 
 step "correctness on every device"
-python3 -m pytest -q -p no:cacheprovider tests/test_devices.py tests/test_guard.py \
-    -k "each_device or forged_request or unnoticed" -rA 2>&1 | tee "$out/pytest.log" || failed+=(pytest)
+if wanted correctness; then
+    python3 -m pytest -q -p no:cacheprovider tests/test_devices.py tests/test_guard.py \
+        -k "each_device or forged_request or unnoticed" -rA 2>&1 | tee "$out/pytest.log" || failed+=(pytest)
+fi
 
 step "model of SmolLM2-135M's shape, random weights"
 python3 - "$model" <<'EOF' || failed+=(model)
@@ -49,9 +54,11 @@ print("model at", path)
 EOF
 
 step "offline: isoserve vs transformers on the GPU"
-isoserve bench --offline --device "$device" --model "$model" --peers transformers --batch ${ISOSERVE_DEVCHECK_BATCHES:-1,32,128} \
-    --prompt-tokens 100 --output-tokens 128 --json "$out/offline_cuda.json" 2>&1 | tee "$out/offline.log" \
-    || failed+=(offline)
+if wanted offline; then
+    isoserve bench --offline --device "$device" --model "$model" --peers transformers --batch ${ISOSERVE_DEVCHECK_BATCHES:-1,32,128} \
+        --prompt-tokens 100 --output-tokens 128 --json "$out/offline_cuda.json" 2>&1 | tee "$out/offline.log" \
+        || failed+=(offline)
+fi
 
 step "HTTP: isoserve serve --device cuda, bench, probe"
 tenants=$(mktemp -d)/tenants.toml
@@ -69,12 +76,16 @@ for _ in $(seq 240); do
 done
 if curl -sf "http://127.0.0.1:$port/health" > /dev/null; then
     grep -E "listening|pool|layers=" "$out/serve.log" | head -8
-    isoserve bench --base-url "http://127.0.0.1:$port" --key "$victim" --concurrency ${ISOSERVE_DEVCHECK_BATCHES:-1,32,128} \
-        --dataset fixed --prompt-tokens 100 --output-tokens 128 --ignore-eos \
-        --json "$out/http_cuda.json" 2>&1 | tee "$out/http.log" || failed+=(http)
-    isoserve probe --base-url "http://127.0.0.1:$port" --victim-key "$victim" --attacker-key "$attacker" \
-        --pool-tokens 16384 --pool-tokens 32768 --json "$out/probe_cuda.json" 2>&1 | tail -20 \
-        | tee "$out/probe.log" || failed+=(probe)
+    if wanted http; then
+        isoserve bench --base-url "http://127.0.0.1:$port" --key "$victim" --concurrency ${ISOSERVE_DEVCHECK_BATCHES:-1,32,128} \
+            --dataset fixed --prompt-tokens 100 --output-tokens 128 --ignore-eos \
+            --json "$out/http_cuda.json" 2>&1 | tee "$out/http.log" || failed+=(http)
+    fi
+    if wanted probe; then
+        isoserve probe --base-url "http://127.0.0.1:$port" --victim-key "$victim" --attacker-key "$attacker" \
+            --pool-tokens 16384 --pool-tokens 32768 --json "$out/probe_cuda.json" 2>&1 | tail -20 \
+            | tee "$out/probe.log" || failed+=(probe)
+    fi
 else
     echo "server did not become healthy"; tail -30 "$out/serve.log"; failed+=(serve)
 fi

@@ -60,7 +60,14 @@ def run_offline(args) -> dict:
     from isoserve import LLM
 
     model = args.model or "smollm2-135m-instruct"
-    llm = LLM(model=model, dtype=args.dtype, device=args.device, fused_kernels=args.fused_kernels)
+    # Like transformers' static batch, the largest batch runs whole: a pool that holds every
+    # sequence to its last token and a sequence limit no smaller than the batch. With the
+    # defaults (64 sequences, a pool of twice the context) a short-context model would preempt
+    # and recompute, and the benchmark would time that instead of the engine.
+    largest, page = max(args.batch), 16
+    per_sequence = -(-(args.prompt_tokens + args.output_tokens) // page) * page
+    llm = LLM(model=model, dtype=args.dtype, device=args.device, fused_kernels=args.fused_kernels,
+              page_size=page, kv_tokens=largest * per_sequence, max_num_seqs=max(64, largest))
     chosen = build_peers(args.peers, model, args.dtype, llm, args.device)
     prompts = prompt_ids(llm.tokenizer, max(args.batch), args.prompt_tokens, args.seed)
     for peer in chosen:
