@@ -24,10 +24,10 @@ from isoserve.model.registry import DEFAULT_MODEL, resolve_model
 from isoserve.model.tokenizer import load_tokenizer
 
 SMOLLM2_VOCAB_SIZE = 49152
+SMOLLM2_BOS, SMOLLM2_EOS = 1, 2  # <|im_start|>, <|im_end|>
 # Where engine tests run: the CPU always, and a GPU where this machine has one (the CUDA path is
 # checked on such a machine by bench/device_check.sh; CI has none).
 DEVICES = ["cpu"] + (["cuda"] if torch.cuda.is_available() else [])
-SMOLLM2_BOS, SMOLLM2_EOS = 1, 2  # <|im_start|>, <|im_end|>
 
 
 def make_tiny_llama(path: Path, *, num_heads: int = 4, num_kv_heads: int = 2, hidden_size: int = 64,

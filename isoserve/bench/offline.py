@@ -28,7 +28,7 @@ def prompt_ids(tokenizer, count: int, length: int, seed: int) -> list[list[int]]
     return prompts
 
 
-def build_peers(names: list[str], model: str, dtype: str, llm, device: str = "cpu"):
+def build_peers(names: list[str], model: str, dtype: str, llm):
     from isoserve.bench import peers
     from isoserve.config import parse_dtype
 
@@ -39,7 +39,7 @@ def build_peers(names: list[str], model: str, dtype: str, llm, device: str = "cp
     if not names:
         return chosen
     print(f"loading transformers' model for {model} ({dtype}) ...", flush=True)
-    reference = peers.load_reference_model(model, parse_dtype(dtype)).to(device)
+    reference = peers.load_reference_model(model, parse_dtype(dtype)).to(llm.engine.model.device)
     tok = llm.tokenizer
     pad = tok.pad_token_id if tok.pad_token_id is not None else tok.eos_token_id
     if "transformers" in names:
@@ -58,17 +58,18 @@ def run_offline(args) -> dict:
     from tqdm.auto import tqdm
 
     from isoserve import LLM
+    from isoserve.config import EngineConfig
 
     model = args.model or "smollm2-135m-instruct"
     # Like transformers' static batch, the largest batch runs whole: a pool that holds every
     # sequence to its last token and a sequence limit no smaller than the batch. With the
     # defaults (64 sequences, a pool of twice the context) a short-context model would preempt
     # and recompute, and the benchmark would time that instead of the engine.
-    largest, page = max(args.batch), 16
+    largest, page = max(args.batch), EngineConfig.page_size
     per_sequence = -(-(args.prompt_tokens + args.output_tokens) // page) * page
     llm = LLM(model=model, dtype=args.dtype, device=args.device, fused_kernels=args.fused_kernels,
-              page_size=page, kv_tokens=largest * per_sequence, max_num_seqs=max(64, largest))
-    chosen = build_peers(args.peers, model, args.dtype, llm, args.device)
+              kv_tokens=largest * per_sequence, max_num_seqs=max(EngineConfig.max_num_seqs, largest))
+    chosen = build_peers(args.peers, model, args.dtype, llm)
     prompts = prompt_ids(llm.tokenizer, max(args.batch), args.prompt_tokens, args.seed)
     for peer in chosen:
         print(f"warming up {peer.name} ...", flush=True)

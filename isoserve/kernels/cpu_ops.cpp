@@ -347,6 +347,7 @@ void attend(const T* q, const T* kc, const T* vc, const int64_t* pages, const in
     scores.resize(group * padded);
     const T* k_head = kc + h * head_stride;
     const T* v_head = vc + h * head_stride;
+    const int64_t pages_read = (len + page_size - 1) / page_size;
     int64_t page = 0, slot = 0;
     for (int64_t start = 0; start < len; start += kBlock) {
       const int64_t n = std::min(kBlock, len - start);
@@ -360,7 +361,7 @@ void attend(const T* q, const T* kc, const T* vc, const int64_t* pages, const in
           // A sequence's pages lie anywhere in the pool, so the hardware prefetcher cannot guess
           // the next one; out of cache this halves the kernel's time. The page's values are
           // fetched too, for the second pass.
-          if (page + 1 < (len + page_size - 1) / page_size)
+          if (page + 1 < pages_read)
             prefetch_lines(k_head + table[page + 1] * page_stride, page_stride * sizeof(T));
           prefetch_lines(v_head + table[page] * page_stride, page_stride * sizeof(T));
         }
