@@ -7,7 +7,8 @@
 
 Parts (each result is a ratio against its peer measured in the same run):
     offline   `isoserve bench --offline`: LLM.generate vs transformers generate (and generate_batch)
-    serve     `isoserve serve` disaggregated vs --mode aggregated, concurrency 1 and 16
+    serve     `isoserve serve` disaggregated (cores shared) vs the same with cores pinned vs
+              --mode aggregated, concurrency 1, 16 and 32
     guards    guards on vs all off, transfer checksums off, --scrub-freed-pages; concurrency 32
     transfer  KV transfer MB/s from the disaggregated server's /metrics vs raw pyzmq, same shapes
     llamacpp  llama.cpp's llama-server (-np 32 -cb, same GGUF) vs `isoserve serve` disaggregated,
@@ -58,7 +59,7 @@ class Plan:
     prompt_tokens: int = 100
     output_tokens: int = 128
     offline_batches: str = "1,8,32"
-    serve_concurrency: str = "1,16"
+    serve_concurrency: str = "1,16,32"
     guard_concurrency: int = 32
     num_requests: int | None = None  # isoserve bench's default: 4 x concurrency, at least 16
     guard_rounds: int = 2
@@ -173,42 +174,54 @@ def part_offline(run: Run) -> str:
     return section("Offline engine vs transformers (issue 2)", run, [run.show(cmd)], body)
 
 
+SERVE_CONFIGS = {  # label: extra `isoserve serve` flags
+    "disaggregated": ["--mode", "disaggregated"],
+    "disaggregated, cores pinned": ["--mode", "disaggregated", "--no-share-idle-cores"],
+    "aggregated": ["--mode", "aggregated"],
+}
+
+
 def part_serve(run: Run) -> str:
     p = run.plan
     results, commands = {}, []
-    for mode in ("disaggregated", "aggregated"):
-        with run.serve(mode, "--mode", mode) as server:
-            results[mode], bench_cmd = run.bench(server, f"serve-{mode}", p.serve_concurrency)
+    for name, flags in SERVE_CONFIGS.items():
+        label = "serve-" + name.replace(", ", "-").replace(" ", "-")
+        with run.serve(label, *flags) as server:
+            results[name], bench_cmd = run.bench(server, label, p.serve_concurrency)
             metrics = server.metrics()
             commands += [run.show(server.command), bench_cmd]
-        if mode == "disaggregated":
-            run.disaggregated_metrics, run.disaggregated_summary = metrics, results[mode]
-    d, a = results["disaggregated"]["summaries"], results["aggregated"]["summaries"]
+        if name == "disaggregated":
+            run.disaggregated_metrics, run.disaggregated_summary = metrics, results[name]
+    d, pin, a = (results[n]["summaries"] for n in SERVE_CONFIGS)
     rows = []
-    for sd, sa in zip(d, a):
+    for sd, sp, sa in zip(d, pin, a):
         rows.append([sd["concurrency"],
-                     num(sd["output_tokens_per_s"]), num(sa["output_tokens_per_s"]),
+                     num(sd["output_tokens_per_s"]), num(sp["output_tokens_per_s"]),
+                     num(sa["output_tokens_per_s"]),
+                     ratio(sd["output_tokens_per_s"], sp["output_tokens_per_s"]),
                      ratio(sd["output_tokens_per_s"], sa["output_tokens_per_s"]),
-                     num(sd["ttft_ms"]["p50"]), num(sa["ttft_ms"]["p50"]),
-                     ratio(sd["ttft_ms"]["p50"], sa["ttft_ms"]["p50"]),
-                     num(sd["itl_ms"]["p50"]), num(sa["itl_ms"]["p50"]),
-                     ratio(sd["itl_ms"]["p50"], sa["itl_ms"]["p50"]),
-                     f"{sd['failed']} / {sa['failed']}"])
-    headers = ["concurrency", "disagg tok/s", "agg tok/s", "disagg / agg", "disagg TTFT p50 ms",
-               "agg TTFT p50 ms", "disagg / agg", "disagg ITL p50 ms", "agg ITL p50 ms",
-               "disagg / agg", "failed (d / a)"]
+                     num(sd["ttft_ms"]["p50"]), num(sp["ttft_ms"]["p50"]), num(sa["ttft_ms"]["p50"]),
+                     num(sd["tpot_ms"]["p50"], 2), num(sp["tpot_ms"]["p50"], 2),
+                     num(sa["tpot_ms"]["p50"], 2),
+                     f"{sd['failed']} / {sp['failed']} / {sa['failed']}"])
+    headers = ["concurrency", "disagg tok/s", "pinned tok/s", "agg tok/s", "disagg / pinned",
+               "disagg / agg", "disagg TTFT p50 ms", "pinned TTFT p50 ms", "agg TTFT p50 ms",
+               "disagg TPOT p50 ms", "pinned TPOT p50 ms", "agg TPOT p50 ms",
+               "failed (d / p / a)"]
     plot = run.out.parent / "benchmarks-serve.png"
-    plot_runs([("disaggregated", d), ("aggregated", a)], plot,
-              title=f"isoserve serve, {p.model} {p.dtype}")
-    body = (f"`isoserve serve` with one prefill and one decode worker (the default) against "
-            f"`--mode aggregated` (one worker doing both), {p.model} {p.dtype}, "
+    plot_runs([("disaggregated", d), ("disaggregated, cores pinned", pin), ("aggregated", a)],
+              plot, title=f"isoserve serve, {p.model} {p.dtype}")
+    body = (f"`isoserve serve` with one prefill and one decode worker (the default; a busy "
+            f"worker takes the cores of an idle one), the same with `--no-share-idle-cores` "
+            f"(\"pinned\": each worker keeps cores / workers threads), and `--mode aggregated` "
+            f"(one worker doing both, every core). {p.model} {p.dtype}, "
             f"~{p.prompt_tokens}-token prompts (mean as the server counted them: "
             f"{num(d[0]['mean_prompt_tokens'])}), {p.output_tokens} output tokens with "
             f"`ignore_eos`, closed loop. Output tokens/s of successful requests over the wall "
-            f"time; TTFT and inter-token latency (ITL) as the client saw them. Ratios below 1 in "
-            f"the latency columns mean disaggregated is faster.\n\n"
+            f"time; TTFT as the client saw it; TPOT is (last token - first token) / (tokens - 1) "
+            f"per request.\n\n"
             + md_table(headers, rows) + f"\n\n![throughput and latency]({plot.name})")
-    return section("Disaggregated vs aggregated serving (issue 3)", run, commands, body)
+    return section("Disaggregated vs aggregated serving (issues 3 and 6)", run, commands, body)
 
 
 GUARD_CONFIGS = {  # label: extra `isoserve serve` flags

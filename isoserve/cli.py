@@ -97,7 +97,13 @@ def build_parser() -> argparse.ArgumentParser:
                        help="on SIGTERM, seconds in-flight requests get to finish; the rest end with "
                             "503 server_shutting_down (default 30)")
     serve.add_argument("--threads-per-worker", type=int, default=None,
-                       help="torch threads per worker process (default: cores / workers)")
+                       help="torch threads per worker process, fixed (default: cores / workers, "
+                            "and a busy worker takes the cores of idle ones; see --share-idle-cores)")
+    serve.add_argument("--share-idle-cores", action=argparse.BooleanOptionalAction, default=True,
+                       help="workers on this host share its cores: before each step a busy worker "
+                            "takes cores / (workers busy now) threads, so prefill gets every core "
+                            "while decode waits and the other way round (default on; off, or "
+                            "--threads-per-worker, pins each worker to its share)")
     serve.add_argument("--worker-start-timeout", type=float, default=900.0)
 
     worker = sub.add_parser("worker", help="run one prefill or decode worker that joins a router")
@@ -114,6 +120,10 @@ def build_parser() -> argparse.ArgumentParser:
     worker.add_argument("--transfer-timeout", type=float, default=180.0,
                         help="seconds to wait for a request's KV after reserving its pages")
     worker.add_argument("--threads", type=int, default=None, help="torch threads (default: all cores)")
+    worker.add_argument("--core-share-file", default=None,
+                        help="share the host's cores with the other workers using this file (made "
+                             "by serve, one slot per worker): --threads is then only the start")
+    worker.add_argument("--core-share-slot", type=int, default=0, help="this worker's slot in that file")
 
     check = sub.add_parser("check-config", help="audit pool sizes against the context, without serving")
     _engine_args(check)

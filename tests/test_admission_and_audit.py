@@ -380,3 +380,10 @@ def test_serve_passes_prefill_max_num_seqs_to_prefill_workers_only():
     assert "--no-fused-kernels" in prefill and "--no-fused-kernels" in decode
     default = parse("--max-num-seqs", "48")
     assert flag(_worker_command(default, "prefill", 0, "ipc:///r", "ipc:///kv", 1), "--max-num-seqs") == "48"
+    # Sharing the host's cores: the worker gets the share file and its own slot, which its own
+    # command line parses back to the same pair.
+    shared = _worker_command(default, "decode", 0, "ipc:///r", "ipc:///kv", 1, ("/run/cores.share", 1))
+    assert flag(shared, "--core-share-file") == "/run/cores.share" and flag(shared, "--core-share-slot") == "1"
+    worker_args = build_parser().parse_args(shared[shared.index("worker"):])
+    assert (worker_args.core_share_file, worker_args.core_share_slot) == ("/run/cores.share", 1)
+    assert "--core-share-file" not in _worker_command(default, "decode", 0, "ipc:///r", "ipc:///kv", 1)

@@ -183,6 +183,35 @@ def test_peer_without_the_cluster_secret_is_rejected_and_counted(disagg, tenants
     assert {w["id"] for w in after["workers"]} == {w["id"] for w in status["workers"]}  # nobody joined
 
 
+def _steps_by_threads(server: Server, role: str) -> dict[int, float]:
+    steps = {}
+    for line in server.metrics().splitlines():
+        if line.startswith("isoserve_worker_steps_total{") and f'role="{role}"' in line:
+            threads = int(line.split('threads="')[1].split('"')[0])
+            steps[threads] = steps.get(threads, 0) + float(line.split()[-1])
+    return steps
+
+
+def test_a_lone_busy_worker_takes_the_idle_workers_cores(disagg, tenants, model):
+    """One request at a time: the prefill worker is idle while decode generates, so decode
+    runs its steps with every core of the host (and prefill with every core for the prompt)."""
+    from isoserve.disagg.cores import host_cores
+
+    cores = host_cores()
+    assert "share %d core(s)" % cores in disagg.log()
+    before = _steps_by_threads(disagg, "decode")
+    completion_ids(disagg, tenants[1]["alice"], model, PROMPTS[0], n=24)
+    deadline = time.monotonic() + 10
+    while True:  # the counts arrive with the workers' heartbeats
+        grown = _steps_by_threads(disagg, "decode").get(cores, 0) - before.get(cores, 0)
+        if grown >= 20 or time.monotonic() > deadline:
+            break
+        time.sleep(0.2)
+    # The first decode step may start before the prefill worker has marked itself idle.
+    assert grown >= 20, _steps_by_threads(disagg, "decode")
+    assert _steps_by_threads(disagg, "prefill").get(cores, 0) >= 1
+
+
 def test_two_workers_per_role_over_tcp_serve_50_concurrent_requests_from_3_tenants(
         tmp_path, model, tenants, secret_file, reference):
     router_port = free_port()

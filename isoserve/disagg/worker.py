@@ -1,6 +1,9 @@
 """A worker process: one engine, one KV pool, one thread, driven by messages from the router.
 
-    loop: receive (router, and KV transfers on decode workers) -> engine.step() -> send outputs
+    loop: receive (router, and KV transfers on decode workers) -> take cores -> engine.step()
+          -> send outputs
+
+"take cores" applies only to workers sharing a host's cores with their peers (cores.py).
 
 Roles: "prefill" computes a prompt's KV and its first token and hands both to a decode
 worker; "decode" receives verified KV and generates; "aggregated" does both in one engine.
@@ -14,11 +17,13 @@ import threading
 import time
 from dataclasses import dataclass, field
 
+import torch
 import zmq
 
 from isoserve import failpoints
 from isoserve.admission import check_prompt_fits
 from isoserve.config import EngineConfig
+from isoserve.disagg.cores import CoreShare
 from isoserve.disagg.roles import AggregatedRole, DecodeRole, PrefillRole, Role
 from isoserve.disagg.wire import Signer, Unauthenticated
 from isoserve.engine.engine import Engine
@@ -29,6 +34,8 @@ log = logging.getLogger("isoserve.worker")
 HEARTBEAT_S = 0.5
 # The router's name for a worker's liveness channel: its id with this suffix.
 ALIVE_SUFFIX = "/alive"
+# Heartbeat counter of the steps run with N torch threads: this prefix, then N.
+STEPS_WITH_THREADS = "steps_with_threads_"
 
 
 @dataclass
@@ -41,6 +48,7 @@ class WorkerOptions:
     kv_endpoint: str = ""           # decode: where prefill workers send KV (bound here)
     transfer_timeout_s: float = 300.0
     disabled_guards: frozenset[str] = field(default_factory=frozenset)
+    core_share: tuple[str, int] | None = None  # (share file, this worker's slot): see cores.py
 
 
 class Worker:
@@ -59,6 +67,7 @@ class Worker:
         self.role: Role = {"prefill": PrefillRole, "decode": DecodeRole,
                            "aggregated": AggregatedRole}[opts.role](self)
         self.counters: dict[str, int] = {}
+        self.cores = CoreShare(*opts.core_share) if opts.core_share else None
         self.registered = False
         self.stopping = False
         self.loop_at = time.monotonic()  # when the main loop last went round
@@ -125,7 +134,11 @@ class Worker:
             if self.router in events:
                 self._drain(self.router, self._on_router_message)
             self.role.poll_extra(events)
-            if self.registered and self.engine.has_work():
+            stepping = self.registered and self.engine.has_work()
+            if self.cores:
+                self._take_cores(stepping)
+            if stepping:
+                self.count(STEPS_WITH_THREADS + str(torch.get_num_threads()))
                 self.role.on_outputs(self.engine.step())
                 delay_ms = failpoints.FAILPOINTS.value("worker.step_delay_ms")
                 if delay_ms:
@@ -139,8 +152,19 @@ class Worker:
             self._alive.join()
         self.router.close(0)
         self.role.close()
+        if self.cores:
+            self.cores.close()
         self.ctx.term()
         return 0
+
+    def _take_cores(self, stepping: bool) -> None:
+        """Mark this worker busy or idle for its peers; before a step, take the threads its
+        share allows now."""
+        self.cores.set_busy(stepping)
+        if stepping:
+            threads = self.cores.threads()
+            if threads != torch.get_num_threads():
+                torch.set_num_threads(threads)
 
     def _drain(self, sock, handler) -> None:
         while True:

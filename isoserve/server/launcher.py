@@ -56,7 +56,9 @@ def run_worker(args) -> int:
                                                kv_memory_gb=args.kv_memory_gb),
                          worker_id=args.worker_id, kv_endpoint=args.kv_endpoint,
                          transfer_timeout_s=args.transfer_timeout,
-                         disabled_guards=args.disabled_guards)
+                         disabled_guards=args.disabled_guards,
+                         core_share=((args.core_share_file, args.core_share_slot)
+                                     if args.core_share_file else None))
     worker = Worker(opts)
     for sig in (signal.SIGTERM, signal.SIGINT):
         signal.signal(sig, lambda *_: setattr(worker, "stopping", True))
@@ -132,7 +134,8 @@ def _max_num_seqs(args, role: str) -> int:
     return args.max_num_seqs
 
 
-def _worker_command(args, role: str, index: int, router: str, kv_endpoint: str, threads: int) -> list[str]:
+def _worker_command(args, role: str, index: int, router: str, kv_endpoint: str, threads: int,
+                    core_share: tuple[str, int] | None = None) -> list[str]:
     prefix = "" if role == "aggregated" else f"{role}_"
     cmd = [sys.executable, "-m", "isoserve.cli", "--log-level", args.log_level, "worker",
            "--role", role, "--router", router, "--worker-id", f"{role}-{index}",
@@ -142,6 +145,8 @@ def _worker_command(args, role: str, index: int, router: str, kv_endpoint: str, 
            "--transfer-timeout", str(args.transfer_timeout), "--threads", str(threads)]
     if args.context_length:
         cmd += ["--context-length", str(args.context_length)]
+    if core_share:
+        cmd += ["--core-share-file", core_share[0], "--core-share-slot", str(core_share[1])]
     if not args.fused_kernels:
         cmd.append("--no-fused-kernels")
     if getattr(args, f"{prefix}kv_tokens") is not None:
@@ -166,6 +171,7 @@ async def _serve(args) -> int:
 
     from isoserve.server.limits import KEEP_ALIVE_TIMEOUT_S, MAX_HEADER_BYTES
 
+    from isoserve.disagg.cores import create_share_file, host_cores
     from isoserve.disagg.wire import load_cluster_secret, new_cluster_secret
     from isoserve.engine.deadlines import Deadlines
     from isoserve.model.loader import load_checkpoint
@@ -199,7 +205,18 @@ async def _serve(args) -> int:
     plan = ([("aggregated", args.aggregated_workers)] if args.mode == "aggregated" else
             [("prefill", args.prefill_workers), ("decode", args.decode_workers)])
     total = sum(n for _, n in plan)
-    threads = args.threads_per_worker or max(1, (os.cpu_count() or 1) // max(total, 1))
+    cores = host_cores()
+    threads = args.threads_per_worker or max(1, cores // max(total, 1))
+    share_file = None
+    if args.share_idle_cores and not args.threads_per_worker and total > 1 and args.device == "cpu":
+        share_file = str(runtime_dir / "cores.share")
+        create_share_file(share_file, total)
+        log.info("%d worker(s) share %d core(s): %d thread(s) each while all are busy, up to %d "
+                 "while the others are idle (--no-share-idle-cores pins them)",
+                 total, cores, threads, cores)
+    else:
+        log.info("%d worker(s), %d torch thread(s) each, on %d core(s)", total, threads, cores)
+    slots = iter(range(total))
     env = {**os.environ, "ISOSERVE_CLUSTER_SECRET": secret.decode()}
     supervisor = Supervisor(lambda cmd: subprocess.Popen(cmd, env=env, preexec_fn=_die_with_parent),
                             router, metrics)
@@ -207,7 +224,8 @@ async def _serve(args) -> int:
         for i in range(count):
             kv = f"ipc://{runtime_dir}/kv-{role}-{i}.sock" if role == "decode" else ""
             supervisor.start(f"{role}-{i}", role,
-                             _worker_command(args, role, i, _local_endpoint(listen), kv, threads))
+                             _worker_command(args, role, i, _local_endpoint(listen), kv, threads,
+                                             (share_file, next(slots)) if share_file else None))
     try:
         if total:
             log.info("waiting for %d worker(s) to load the model and register", total)

@@ -63,6 +63,10 @@ class Metrics:
             "server_tokens)", ["limit"], registry=r)
         self.requests_in_flight = Gauge(
             "isoserve_requests_in_flight", "Requests admitted and not yet ended", registry=r)
+        self.worker_steps = Counter(
+            "isoserve_worker_steps", "Engine steps of each worker, by the torch threads it ran "
+            "them with (workers sharing a host's cores take more while their peers are idle)",
+            ["worker", "role", "threads"], registry=r)
         self.rejected_messages = Counter(
             "isoserve_rejected_messages", "Messages dropped because they failed authentication, "
             "by channel", ["channel"], registry=r)
@@ -105,6 +109,9 @@ class Metrics:
 
     def count_rejected_transfer(self, reason: str, n: int = 1) -> None:
         self.rejected_transfers.labels(reason).inc(n)
+
+    def count_worker_steps(self, worker: str, role: str, threads: str, n: int) -> None:
+        self.worker_steps.labels(worker, role, threads).inc(n)
 
     def count_guard_violation(self, worker: str, guard: str, n: int = 1) -> None:
         self.guard_violations.labels(worker, guard).inc(n)

@@ -18,7 +18,7 @@ import zmq.asyncio
 
 from isoserve.admission import check_prompt_fits, effective_prompt_limit
 from isoserve.disagg.wire import Signer, Unauthenticated
-from isoserve.disagg.worker import ALIVE_SUFFIX
+from isoserve.disagg.worker import ALIVE_SUFFIX, STEPS_WITH_THREADS
 from isoserve.engine.deadlines import Deadlines
 from isoserve.engine.engine import RequestOutput
 from isoserve.engine.sequence import TokenLogprob
@@ -354,6 +354,9 @@ class Router:
             self.metrics.count_rejected_transfer(name.removeprefix("rejected_transfers_"), n)
         elif name.startswith("unauthenticated_messages_"):
             self.metrics.count_rejected_message(f"{worker.role}:{name.removeprefix('unauthenticated_messages_')}", n)
+        elif name.startswith(STEPS_WITH_THREADS):
+            self.metrics.count_worker_steps(worker.id, worker.role,
+                                            name.removeprefix(STEPS_WITH_THREADS), n)
 
     async def _watch_heartbeats(self) -> None:
         while True:
