@@ -199,17 +199,17 @@ def test_a_lone_busy_worker_takes_the_idle_workers_cores(disagg, tenants, model)
 
     cores = host_cores()
     assert "share %d core(s)" % cores in disagg.log()
-    before = _steps_by_threads(disagg, "decode")
+    before = {role: _steps_by_threads(disagg, role).get(cores, 0) for role in ("prefill", "decode")}
     completion_ids(disagg, tenants[1]["alice"], model, PROMPTS[0], n=24)
     deadline = time.monotonic() + 10
-    while True:  # the counts arrive with the workers' heartbeats
-        grown = _steps_by_threads(disagg, "decode").get(cores, 0) - before.get(cores, 0)
-        if grown >= 20 or time.monotonic() > deadline:
+    while True:  # the counts arrive with each worker's heartbeats, every half second
+        grown = {role: _steps_by_threads(disagg, role).get(cores, 0) - before[role]
+                 for role in ("prefill", "decode")}
+        if (grown["decode"] >= 20 and grown["prefill"] >= 1) or time.monotonic() > deadline:
             break
         time.sleep(0.2)
-    # The first decode step may start before the prefill worker has marked itself idle.
-    assert grown >= 20, _steps_by_threads(disagg, "decode")
-    assert _steps_by_threads(disagg, "prefill").get(cores, 0) >= 1
+    # 23 decode steps; the first may start before the prefill worker has marked itself idle.
+    assert grown["decode"] >= 20 and grown["prefill"] >= 1, grown
 
 
 def test_two_workers_per_role_over_tcp_serve_50_concurrent_requests_from_3_tenants(

@@ -139,7 +139,12 @@ class Worker:
                 self._take_cores(stepping)
             if stepping:
                 self.count(STEPS_WITH_THREADS + str(torch.get_num_threads()))
-                self.role.on_outputs(self.engine.step())
+                outputs = self.engine.step()
+                if self.cores and not self.engine.has_work():
+                    # Idle before the outputs go out: a peer can start on them (a prompt's KV)
+                    # at once, and should find our cores free.
+                    self.cores.set_busy(False)
+                self.role.on_outputs(outputs)
                 delay_ms = failpoints.FAILPOINTS.value("worker.step_delay_ms")
                 if delay_ms:
                     time.sleep(delay_ms / 1000)
