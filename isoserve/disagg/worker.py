@@ -135,10 +135,9 @@ class Worker:
                 self._drain(self.router, self._on_router_message)
             self.role.poll_extra(events)
             stepping = self.registered and self.engine.has_work()
-            if self.cores:
-                self._take_cores(stepping)
+            threads = self._take_cores(stepping) if self.cores else torch.get_num_threads()
             if stepping:
-                self.count(STEPS_WITH_THREADS + str(torch.get_num_threads()))
+                self.count(STEPS_WITH_THREADS + str(threads))
                 outputs = self.engine.step()
                 if self.cores and not self.engine.has_work():
                     # Idle before the outputs go out: a peer can start on them (a prompt's KV)
@@ -162,14 +161,17 @@ class Worker:
         self.ctx.term()
         return 0
 
-    def _take_cores(self, stepping: bool) -> None:
+    def _take_cores(self, stepping: bool) -> int:
         """Mark this worker busy or idle for its peers; before a step, take the threads its
-        share allows now."""
+        share allows now. Returns the threads the next step runs with."""
         self.cores.set_busy(stepping)
-        if stepping:
-            threads = self.cores.threads()
-            if threads != torch.get_num_threads():
-                torch.set_num_threads(threads)
+        current = torch.get_num_threads()
+        if not stepping:
+            return current
+        threads = self.cores.threads()
+        if threads != current:
+            torch.set_num_threads(threads)
+        return threads
 
     def _drain(self, sock, handler) -> None:
         while True:
