@@ -176,6 +176,26 @@ def test_decode_attention_matches_torch_path(fused, shape):
                                TorchOps.decode_attention(q, k, v, attn, 0.25), rtol=1e-5, atol=1e-6)
 
 
+@pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])
+@pytest.mark.parametrize("vocab", [1, 15, 16, 49152 + 7])
+def test_argmax_matches_torch_with_ties_infinities_and_nan(fused, dtype, vocab):
+    """Greedy tokens: the first maximal index of each row, as torch.argmax picks it, including
+    ties (bfloat16 logits tie often), rows of -inf, and a NaN (torch counts it the maximum)."""
+    g = torch.Generator().manual_seed(vocab)
+    logits = (torch.randn(9, vocab, generator=g) * 4).to(dtype)
+    logits[1] = logits[1].round()                        # many ties at the top
+    logits[2] = float("-inf")
+    logits[3, -1] = float("inf")                         # the last element: the tail loop
+    logits[4, vocab // 2] = float("nan")
+    logits[5, :] = 7.0                                   # all equal: index 0
+    logits[6, vocab - 1] = float("nan")
+    logits[6, 0] = float("inf")                          # NaN beats +inf, as in torch
+    logits[7, vocab // 3] = float("nan")
+    logits[7, vocab - 1] = float("nan")                  # the first NaN
+    assert torch.equal(fused.argmax(logits), TorchOps.argmax(logits))
+    assert fused.argmax(logits[:0]).shape == (0,)
+
+
 def test_kernels_refuse_out_of_pool_addresses(fused):
     kernels = cpu_ops()
     q, k, v, attn = _attention_case(torch.float32, [5, 6])
@@ -213,6 +233,10 @@ def test_kernels_refuse_wrong_inputs(fused):
         kernels.rms_norm(x, torch.zeros(8, dtype=torch.bfloat16), 1e-5)
     with pytest.raises(RuntimeError, match="2 \\* n"):
         kernels.silu_mul(torch.zeros(2, 7))
+    with pytest.raises(RuntimeError, match="n > 0"):
+        kernels.argmax_rows(torch.zeros(2, 0))
+    with pytest.raises(RuntimeError, match="contiguous"):
+        kernels.argmax_rows(torch.zeros(8, 2).t())
 
 
 def test_mixed_step_fused_equals_torch_in_float32(tiny_llama_dir):

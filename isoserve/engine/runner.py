@@ -48,7 +48,7 @@ class ModelRunner:
         samplers = inputs["samplers"]
         for c in chunks:
             c.seq.num_computed += c.num_tokens
-        tokens, logprobs = sample(logits, samplers) if samplers else ([], [])
+        tokens, logprobs = sample(logits, samplers, self.model.ops.argmax) if samplers else ([], [])
         return StepResult(list(zip(samplers, tokens, logprobs)), violations)
 
     def guard(self, chunks: list[ScheduledChunk]) -> list[tuple[Sequence, Violation]]:

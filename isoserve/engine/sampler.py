@@ -3,6 +3,8 @@ own parameters. Logprobs are those of the model's distribution (before temperatu
 and top-p), as OpenAI-compatible servers report them."""
 from __future__ import annotations
 
+from typing import Callable
+
 import torch
 
 from isoserve.engine.sequence import Sequence, TokenLogprob
@@ -34,21 +36,29 @@ def _filtered_probs(logits: torch.Tensor, temperature: float, top_k: int, top_p:
     return probs
 
 
-def sample(logits: torch.Tensor, seqs: list[Sequence]) -> tuple[list[int], list[TokenLogprob | None]]:
-    """logits: [N, vocab] float32, one row per sequence to sample."""
-    tokens = logits.argmax(dim=-1)
+def _torch_argmax(logits: torch.Tensor) -> torch.Tensor:
+    return logits.argmax(dim=-1)
+
+
+def sample(logits: torch.Tensor, seqs: list[Sequence],
+           argmax: Callable[[torch.Tensor], torch.Tensor] = _torch_argmax,
+           ) -> tuple[list[int], list[TokenLogprob | None]]:
+    """logits: [N, vocab] in the model's dtype, one row per sequence to sample. Greedy rows
+    take `argmax` (the model's ops pick it: a fused kernel on CPU); rows sampled or asking for
+    logprobs are converted to float32 first, as the distribution is computed in float32."""
+    tokens = argmax(logits)
     for row, seq in enumerate(seqs):
         p = seq.params
         if not p.greedy:
             # On the CPU: a seeded torch.Generator lives there, and only these rows need it.
-            probs = _filtered_probs(logits[row].cpu(), p.temperature, p.top_k, p.top_p)
+            probs = _filtered_probs(logits[row].float().cpu(), p.temperature, p.top_k, p.top_p)
             tokens[row] = torch.multinomial(probs, 1, generator=_row_generator(seq))[0]
     token_list = tokens.tolist()
     want = [s.params.logprobs is not None for s in seqs]
     logprobs: list[TokenLogprob | None] = [None] * len(seqs)
     if any(want):
         rows = [i for i, w in enumerate(want) if w]
-        lp = torch.log_softmax(logits[rows], dim=-1)
+        lp = torch.log_softmax(logits[rows].float(), dim=-1)
         k = max(seqs[i].params.logprobs for i in rows)
         top_v, top_i = lp.topk(max(k, 1), dim=-1)
         for j, i in enumerate(rows):

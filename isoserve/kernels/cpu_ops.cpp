@@ -19,6 +19,7 @@
 #include <cmath>
 #include <cstdint>
 #include <cstring>
+#include <limits>
 #include <vector>
 
 namespace {
@@ -473,6 +474,51 @@ torch::Tensor decode_attention(const torch::Tensor& q, const torch::Tensor& k_ca
   return out;
 }
 
+// ---- Greedy tokens ----------------------------------------------------------------------------
+// Each row's index of its first maximal value, as torch.argmax returns it (a NaN counts as the
+// maximum; all -inf gives 0). torch's CPU argmax walks a [32, 49152] bfloat16 row block one
+// element at a time, ~1.3 ms of a 45 ms batch-32 step; lane-wise maxima (a NaN, once in a
+// lane, stays) and a second pass for the first index that holds the maximum are ~0.1 ms.
+
+template <typename T>
+int64_t argmax_row(const T* x, int64_t n) {
+  float lanes[kLanes];
+  std::fill(lanes, lanes + kLanes, -std::numeric_limits<float>::infinity());
+  int64_t i = 0;
+  for (; i + kLanes <= n; i += kLanes)
+    for (int64_t j = 0; j < kLanes; ++j) {
+      const float v = f32(x[i + j]);
+      lanes[j] = (v > lanes[j] || v != v) ? v : lanes[j];
+    }
+  float top = -std::numeric_limits<float>::infinity();
+  for (; i < n; ++i) {
+    const float v = f32(x[i]);
+    top = (v > top || v != v) ? v : top;
+  }
+  for (int64_t j = 0; j < kLanes; ++j) top = (lanes[j] > top || lanes[j] != lanes[j]) ? lanes[j] : top;
+  const bool nan = top != top;
+  for (i = 0; i < n; ++i) {
+    const float v = f32(x[i]);
+    if (nan ? v != v : v == top) return i;
+  }
+  return 0;  // unreachable: some element holds the maximum
+}
+
+torch::Tensor argmax_rows(const torch::Tensor& logits) {
+  check_float_cpu(logits, "logits");
+  TORCH_CHECK(logits.dim() == 2 && logits.size(1) > 0, "argmax_rows takes [rows, n > 0]");
+  const int64_t rows = logits.size(0), n = logits.size(1);
+  auto out = torch::empty({rows}, logits.options().dtype(at::kLong));
+  int64_t* o = out.data_ptr<int64_t>();
+  ISOSERVE_DISPATCH(logits.scalar_type(), [&] {
+    const scalar_t* x = logits.data_ptr<scalar_t>();
+    at::parallel_for(0, rows, 1, [&](int64_t begin, int64_t end) {
+      for (int64_t r = begin; r < end; ++r) o[r] = argmax_row(x + r * n, n);
+    });
+  });
+  return out;
+}
+
 // ---- The read guard's check (kv/guard.py) -----------------------------------------------------
 // For each sequence b and each page j of its table: the page is in the pool, still in the epoch
 // the sequence got it in, and, over the slots this step reads as already written (the first
@@ -517,5 +563,6 @@ PYBIND11_MODULE(TORCH_EXTENSION_NAME, m) {
   m.def("silu_mul", &silu_mul, "silu(gate) * up of a merged [rows, 2n] gate-up");
   m.def("rotary_store", &rotary_store, "RoPE on Q and K; K and V written to their cache slots");
   m.def("decode_attention", &decode_attention, "one-query attention over paged KV, in place");
+  m.def("argmax_rows", &argmax_rows, "each row's first index of its maximum, as torch.argmax");
   m.def("check_reads", &check_reads, "the read guard: (sequence, page index) pairs that fail");
 }

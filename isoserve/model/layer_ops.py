@@ -5,6 +5,8 @@
   rotary_store    RoPE on Q and K from the merged QKV projection; K and V into their pool slots
   decode_attention  single-query attention over each sequence's pages
   silu_mul        SwiGLU over the merged gate-up projection
+  argmax          greedy tokens: each logits row's first maximal index (the sampler's, not a
+                  layer's, but the same choice of implementation)
 
 `TorchOps` runs them as torch ops; it is the reference. `FusedOps` runs each as one call into
 the fused CPU kernels (kernels/cpu_ops.cpp), which round where the reference rounds. At batch 1
@@ -61,6 +63,10 @@ class TorchOps:
 
     decode_attention = staticmethod(decode_attention_torch)
 
+    @staticmethod
+    def argmax(logits: torch.Tensor) -> torch.Tensor:
+        return logits.argmax(dim=-1)
+
 
 class FusedOps:
     name = "fused CPU kernels"
@@ -71,6 +77,7 @@ class FusedOps:
         self.add_rms_norm = kernels.add_rms_norm
         self.silu_mul = kernels.silu_mul
         self.rotary_store = kernels.rotary_store
+        self.argmax = kernels.argmax_rows
 
     def decode_attention(self, q: torch.Tensor, k_cache: torch.Tensor, v_cache: torch.Tensor,
                          attn: StepAttention, scale: float) -> torch.Tensor:

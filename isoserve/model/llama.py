@@ -85,8 +85,9 @@ class LlamaModel:
     @torch.inference_mode()
     def forward(self, token_ids: torch.Tensor, positions: torch.Tensor, attn: StepAttention,
                 pool: KVPool, logits_rows: torch.Tensor) -> torch.Tensor:
-        """Run one step; writes each token's K/V into the pool and returns float32 logits
-        for the rows in `logits_rows` only (the tokens that will be sampled)."""
+        """Run one step; writes each token's K/V into the pool and returns the logits, in the
+        model's dtype, for the rows in `logits_rows` only (the tokens that will be sampled).
+        The sampler converts to float32 only the rows that need more than an argmax."""
         cfg, ops, eps = self.cfg, self.ops, self.cfg.rms_norm_eps
         x = F.embedding(token_ids, self.embed)  # the residual stream, updated in place
         cos, sin = self.rope.tables(positions)
@@ -102,4 +103,4 @@ class LlamaModel:
             else:
                 x.add_(mlp)
         x = ops.rms_norm(x[logits_rows], self.final_norm, eps)
-        return self.lm_head(x).float()
+        return self.lm_head(x)
