@@ -133,28 +133,51 @@ def _gold_attention(q, k, v, attn, scale):
     return torch.stack(out)
 
 
+def _kernel_attention(q, k, v, attn, scale, bf16_dot):
+    return cpu_ops().decode_attention(q, k, v, attn.decode_pages, attn.decode_lens, scale, bf16_dot=bf16_dot)
+
+
+def test_the_bf16_dot_path_is_built_where_the_cpu_has_it():
+    """-march=native: a CPU with AVX512-BF16 compiles the scores' dot-product path, so the tests
+    below run both paths on it (bf16_dot=False forces the float32 one)."""
+    flags = next(line for line in open("/proc/cpuinfo") if line.startswith("flags")).split()
+    assert cpu_ops().has_bf16_dot == ("avx512_bf16" in flags)
+
+
+@pytest.mark.parametrize("bf16_dot", [True, False])
 @pytest.mark.parametrize("shape", ATTENTION_SHAPES)
 @pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])
 @pytest.mark.parametrize("lens", [[1], [5, 4, 13], [16, 1, 9, 30, 2, 7, 33]])
-def test_decode_attention_reads_only_its_keys(fused, dtype, lens, shape):
+def test_decode_attention_reads_only_its_keys(dtype, lens, shape, bf16_dot):
     q, k, v, attn = _attention_case(dtype, lens, shape=shape)
     gold = _gold_attention(q, k, v, attn, 0.25)
-    actual = fused.decode_attention(q, k, v, attn, 0.25)
+    actual = _kernel_attention(q, k, v, attn, 0.25, bf16_dot)
     assert not actual.isnan().any()  # nothing past a sequence's length was read
     tolerance = 1e-5 if dtype == torch.float32 else 2 * BF16_ULP
     torch.testing.assert_close(actual.double(), gold, rtol=tolerance, atol=tolerance)
 
 
+@pytest.mark.parametrize("bf16_dot", [True, False])
 @pytest.mark.parametrize("shape", ATTENTION_SHAPES)
-def test_decode_attention_in_bf16_is_at_least_as_exact_as_the_torch_path(fused, shape):
+def test_decode_attention_in_bf16_is_at_least_as_exact_as_the_torch_path(shape, bf16_dot):
     """The kernel keeps scores and probabilities in float32 where the torch path rounds them to
     bf16 in between: against the float64 definition, its error is no larger."""
     q, k, v, attn = _attention_case(torch.bfloat16, [9, 3, 21, 40], seed=5, shape=shape)
     k, v = k.nan_to_num(0.0), v.nan_to_num(0.0)  # the torch path multiplies padding by zero
     gold = _gold_attention(q, k, v, attn, 0.25)
-    fused_error = (fused.decode_attention(q, k, v, attn, 0.25).double() - gold).abs().max()
+    fused_error = (_kernel_attention(q, k, v, attn, 0.25, bf16_dot).double() - gold).abs().max()
     torch_error = (TorchOps.decode_attention(q, k, v, attn, 0.25).double() - gold).abs().max()
     assert fused_error <= torch_error
+
+
+def test_decode_attention_bf16_dot_agrees_with_the_float32_path():
+    """The default model's shape over long, scattered sequences: the two ways of scoring differ
+    only in the order of float32 sums, so the outputs agree to a bfloat16 rounding step."""
+    q, k, v, attn = _attention_case(torch.bfloat16, [300, 17, 129, 64], page_size=16, pages=60,
+                                    seed=11, shape=(9, 3, 64))
+    q = q * 8  # large scores: a sharp softmax magnifies any error in them
+    _close(_kernel_attention(q, k, v, attn, 0.125, True), _kernel_attention(q, k, v, attn, 0.125, False),
+           torch.bfloat16)
 
 
 def test_decode_attention_refuses_a_length_past_its_own_pages(fused):

@@ -20,7 +20,12 @@
 #include <cstdint>
 #include <cstring>
 #include <limits>
+#include <type_traits>
 #include <vector>
+
+#if defined(__AVX512BF16__)
+#include <immintrin.h>
+#endif
 
 namespace {
 
@@ -315,14 +320,29 @@ inline vfloat16 sum_each(vfloat16* v) {
                                  17, 19, 21, 23, 25, 27, 29, 31);
 }
 
+// Scores by the CPU's bfloat16 dot product (AVX512-BF16's vdpbf16ps), where it has one: each
+// float32 lane adds the exact products of two bfloat16 pairs, so a 64-wide key is 2
+// instructions per query head instead of 4 conversions and 4 multiply-adds, and the query is
+// used as it is, scaled after the sum. The products are those of the float32 path; the sums
+// differ only in order (and inputs below bfloat16's normal range count as zero).
+#if defined(__AVX512BF16__)
+constexpr bool kHaveBf16Dot = true;
+inline __m512bh load_bf16_pairs(const c10::BFloat16* p) {
+  return reinterpret_cast<__m512bh>(_mm512_loadu_si512(p));
+}
+#else
+constexpr bool kHaveBf16Dot = false;
+#endif
+
 inline void prefetch_lines(const void* p, int64_t bytes) {
   for (int64_t off = 0; off < bytes; off += 64) __builtin_prefetch(static_cast<const char*>(p) + off);
 }
 
 // One (sequence, KV head) task. C and G, when not 0, fix the number of 16-float chunks in a head
 // and the query heads per KV head at compile time: the loops over them unroll and the query and
-// accumulator vectors stay in registers. 0 takes them from the shapes at run time.
-template <typename T, int C, int G>
+// accumulator vectors stay in registers. 0 takes them from the shapes at run time. DOT scores
+// with the bfloat16 dot product above (bfloat16, C a multiple of 2, and a CPU that has it).
+template <typename T, int C, int G, bool DOT = false>
 void attend(const T* q, const T* kc, const T* vc, const int64_t* pages, const int64_t* lens, T* out,
             int64_t heads, int64_t kv_heads, int64_t num_pages, int64_t page_size, int64_t dim,
             int64_t width, float scale, int64_t begin, int64_t end) {
@@ -334,6 +354,9 @@ void attend(const T* q, const T* kc, const T* vc, const int64_t* pages, const in
   vfloat16* qv = C ? q_fixed : q_any.data();
   vfloat16* acc = C ? acc_fixed : acc_any.data();
   vfloat16* parts = C ? parts_fixed : parts_any.data();
+#if defined(__AVX512BF16__)
+  __m512bh q_pairs[DOT ? C / 2 * G : 1];
+#endif
   std::vector<float> scores, total(group);
   for (int64_t task = begin; task < end; ++task) {
     const int64_t b = task / kv_heads, h = task % kv_heads, len = lens[b];
@@ -341,6 +364,11 @@ void attend(const T* q, const T* kc, const T* vc, const int64_t* pages, const in
     const T* q_head = q + (b * heads + h * group) * dim;
     for (int64_t g = 0; g < group; ++g)
       for (int64_t c = 0; c < chunks; ++c) qv[g * chunks + c] = load_chunk(q_head + g * dim, c, dim) * scale;
+#if defined(__AVX512BF16__)
+    if constexpr (DOT)
+      for (int64_t g = 0; g < G; ++g)
+        for (int64_t p = 0; p < C / 2; ++p) q_pairs[g * C / 2 + p] = load_bf16_pairs(q_head + g * dim + p * 2 * kBlock);
+#endif
     // Scores, padded to whole blocks so each block stores one full vector per query head. Keys
     // are walked page by page, slot by slot (no division per key); each is converted once and
     // dotted with every query head of the group.
@@ -367,6 +395,19 @@ void attend(const T* q, const T* kc, const T* vc, const int64_t* pages, const in
           prefetch_lines(v_head + table[page] * page_stride, page_stride * sizeof(T));
         }
         if (++slot == page_size) slot = 0, ++page;
+#if defined(__AVX512BF16__)
+        if constexpr (DOT) {
+          static_assert(std::is_same_v<T, c10::BFloat16> && C % 2 == 0 && C > 0);
+          for (int64_t p = 0; p < C / 2; ++p) {
+            const __m512bh k = load_bf16_pairs(key + p * 2 * kBlock);
+            for (int64_t g = 0; g < G; ++g) {
+              const __m512 sum = p ? reinterpret_cast<__m512>(parts[g * kBlock + s]) : _mm512_setzero_ps();
+              parts[g * kBlock + s] = reinterpret_cast<vfloat16>(_mm512_dpbf16_ps(sum, q_pairs[g * C / 2 + p], k));
+            }
+          }
+          continue;
+        }
+#endif
         for (int64_t c = 0; c < chunks; ++c) {
           const vfloat16 k = load_chunk(key, c, dim);
           for (int64_t g = 0; g < group; ++g)
@@ -374,7 +415,7 @@ void attend(const T* q, const T* kc, const T* vc, const int64_t* pages, const in
         }
       }
       for (int64_t g = 0; g < group; ++g) {
-        const vfloat16 block = sum_each(parts + g * kBlock);
+        const vfloat16 block = DOT ? sum_each(parts + g * kBlock) * scale : sum_each(parts + g * kBlock);
         std::memcpy(scores.data() + g * padded + start, &block, sizeof block);
       }
     }
@@ -422,12 +463,18 @@ template <typename T>
 void decode_attention_impl(const T* q, const T* kc, const T* vc, const int64_t* pages,
                            const int64_t* lens, T* out, int64_t batch, int64_t heads,
                            int64_t kv_heads, int64_t num_pages, int64_t page_size, int64_t dim,
-                           int64_t width, float scale) {
+                           int64_t width, float scale, bool bf16_dot) {
   const int64_t group = heads / kv_heads;
   at::parallel_for(0, batch * kv_heads, 1, [&](int64_t begin, int64_t end) {
     // The default model's shape (SmolLM2: 64-wide heads, 3 query heads per KV head) runs
     // unrolled, ~1.6x faster; any other runs the same code with its shape read at run time.
-    if (dim == 64 && group == 3)
+    // In bfloat16 it scores by the dot-product instruction where the CPU has one (unless the
+    // caller asks for the float32 path): 20-27% faster with the KV in cache, ~5% at batch 32
+    // of the default model, where reading the KV from memory bounds the kernel.
+    constexpr bool dot = std::is_same_v<T, c10::BFloat16> && kHaveBf16Dot;
+    if (dot && bf16_dot && dim == 64 && group == 3)
+      attend<T, 4, 3, dot>(q, kc, vc, pages, lens, out, heads, kv_heads, num_pages, page_size, dim, width, scale, begin, end);
+    else if (dim == 64 && group == 3)
       attend<T, 4, 3>(q, kc, vc, pages, lens, out, heads, kv_heads, num_pages, page_size, dim, width, scale, begin, end);
     else
       attend<T, 0, 0>(q, kc, vc, pages, lens, out, heads, kv_heads, num_pages, page_size, dim, width, scale, begin, end);
@@ -436,7 +483,7 @@ void decode_attention_impl(const T* q, const T* kc, const T* vc, const int64_t* 
 
 torch::Tensor decode_attention(const torch::Tensor& q, const torch::Tensor& k_cache,
                                const torch::Tensor& v_cache, const torch::Tensor& pages,
-                               const torch::Tensor& lens, double scale) {
+                               const torch::Tensor& lens, double scale, bool bf16_dot) {
   check_float_cpu(q, "q");
   check_float_cpu(k_cache, "k_cache");
   check_float_cpu(v_cache, "v_cache");
@@ -469,7 +516,7 @@ torch::Tensor decode_attention(const torch::Tensor& q, const torch::Tensor& k_ca
     decode_attention_impl<scalar_t>(q.data_ptr<scalar_t>(), k_cache.data_ptr<scalar_t>(),
                                    v_cache.data_ptr<scalar_t>(), table, len, out.data_ptr<scalar_t>(),
                                    batch, heads, kv_heads, num_pages, page_size, dim, width,
-                                   static_cast<float>(scale));
+                                   static_cast<float>(scale), bf16_dot);
   });
   return out;
 }
@@ -562,7 +609,10 @@ PYBIND11_MODULE(TORCH_EXTENSION_NAME, m) {
   m.def("add_rms_norm", &add_rms_norm, "x += y in place, then RMSNorm of x");
   m.def("silu_mul", &silu_mul, "silu(gate) * up of a merged [rows, 2n] gate-up");
   m.def("rotary_store", &rotary_store, "RoPE on Q and K; K and V written to their cache slots");
-  m.def("decode_attention", &decode_attention, "one-query attention over paged KV, in place");
+  m.def("decode_attention", &decode_attention, "one-query attention over paged KV, in place",
+        py::arg("q"), py::arg("k_cache"), py::arg("v_cache"), py::arg("pages"), py::arg("lens"),
+        py::arg("scale"), py::arg("bf16_dot") = true);
+  m.attr("has_bf16_dot") = kHaveBf16Dot;
   m.def("argmax_rows", &argmax_rows, "each row's first index of its maximum, as torch.argmax");
   m.def("check_reads", &check_reads, "the read guard: (sequence, page index) pairs that fail");
 }
