@@ -36,12 +36,7 @@ def _filtered_probs(logits: torch.Tensor, temperature: float, top_k: int, top_p:
     return probs
 
 
-def _torch_argmax(logits: torch.Tensor) -> torch.Tensor:
-    return logits.argmax(dim=-1)
-
-
-def sample(logits: torch.Tensor, seqs: list[Sequence],
-           argmax: Callable[[torch.Tensor], torch.Tensor] = _torch_argmax,
+def sample(logits: torch.Tensor, seqs: list[Sequence], argmax: Callable[[torch.Tensor], torch.Tensor],
            ) -> tuple[list[int], list[TokenLogprob | None]]:
     """logits: [N, vocab] in the model's dtype, one row per sequence to sample. Greedy rows
     take `argmax` (the model's ops pick it: a fused kernel on CPU); rows sampled or asking for

@@ -396,7 +396,7 @@ void attend(const T* q, const T* kc, const T* vc, const int64_t* pages, const in
         // the next one. With each key comes its share of the next page's keys (into L1, read
         // next) and of this page's values (into L2, for the second pass). Issued all at once at
         // a page's first key, the 64 prefetches held up the loads they were meant to help: the
-        // kernel took 13% longer at batch 32 in the engine, 20-35% in a 30-layer bench.
+        // kernel took 13% longer at batch 32 in the engine, 20-30% in a 30-layer bench.
         if (page + 1 < pages_read)
           prefetch_share<3>(k_head + table[page + 1] * page_stride, slot, lines_per_key, page_lines);
         prefetch_share<1>(v_head + table[page] * page_stride, slot, lines_per_key, page_lines);
