@@ -215,6 +215,8 @@ def test_argmax_matches_torch_with_ties_infinities_and_nan(fused, dtype, vocab):
     logits[6, 0] = float("inf")                          # NaN beats +inf, as in torch
     logits[7, vocab // 3] = float("nan")
     logits[7, vocab - 1] = float("nan")                  # the first NaN
+    logits[8, [vocab - 1, 2 * vocab // 3, vocab // 3]] = 100.0  # one maximum in the tail, two
+                                                         # in other lanes: the first one wins
     assert torch.equal(fused.argmax(logits), TorchOps.argmax(logits))
     assert fused.argmax(logits[:0]).shape == (0,)
 

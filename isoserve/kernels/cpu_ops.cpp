@@ -529,32 +529,39 @@ torch::Tensor decode_attention(const torch::Tensor& q, const torch::Tensor& k_ca
 
 // ---- Greedy tokens ----------------------------------------------------------------------------
 // Each row's index of its first maximal value, as torch.argmax returns it (a NaN counts as the
-// maximum; all -inf gives 0). torch's CPU argmax walks a [32, 49152] bfloat16 row block one
-// element at a time, ~1.3 ms of a 45 ms batch-32 step; lane-wise maxima (a NaN, once in a
-// lane, stays) and a second pass for the first index that holds the maximum are ~0.1 ms.
+// maximum, the first NaN wins; all -inf gives 0). One pass on 16-float vectors: each lane keeps
+// its largest value and the first index that holds it (a later equal value does not replace
+// it, nor does a later NaN replace a NaN), then the lanes and the tail settle it. torch's CPU
+// argmax on a [32, 49152] bfloat16 block took 2.95 ms, 0.8 ms after a float32 copy; a scalar
+// two-pass version of this kernel took 0.96 ms, this one 0.19 ms (two threads, logits out of
+// cache).
+
+typedef int32_t vint16 __attribute__((vector_size(64)));
 
 template <typename T>
 int64_t argmax_row(const T* x, int64_t n) {
-  float lanes[kLanes];
-  std::fill(lanes, lanes + kLanes, -std::numeric_limits<float>::infinity());
+  constexpr float kLowest = -std::numeric_limits<float>::infinity();
+  vfloat16 best;
+  vint16 at, index;
+  for (int j = 0; j < kBlock; ++j) best[j] = kLowest, at[j] = j, index[j] = j;
   int64_t i = 0;
-  for (; i + kLanes <= n; i += kLanes)
-    for (int64_t j = 0; j < kLanes; ++j) {
-      const float v = f32(x[i + j]);
-      lanes[j] = (v > lanes[j] || v != v) ? v : lanes[j];
-    }
-  float top = -std::numeric_limits<float>::infinity();
-  for (; i < n; ++i) {
-    const float v = f32(x[i]);
-    top = (v > top || v != v) ? v : top;
+  for (; i + kBlock <= n; i += kBlock, index += static_cast<int32_t>(kBlock)) {
+    const vfloat16 v = load16(x + i);
+    const vint16 take = (v > best) | ((v != v) & (best == best));
+    best = take ? v : best;
+    at = take ? index : at;
   }
-  for (int64_t j = 0; j < kLanes; ++j) top = (lanes[j] > top || lanes[j] != lanes[j]) ? lanes[j] : top;
-  const bool nan = top != top;
-  for (i = 0; i < n; ++i) {
-    const float v = f32(x[i]);
-    if (nan ? v != v : v == top) return i;
-  }
-  return 0;  // unreachable: some element holds the maximum
+  float top = kLowest;
+  int64_t top_at = 0;
+  const auto better = [&](float v, int64_t where) {
+    const bool v_nan = v != v, top_nan = top != top;
+    if (v_nan ? (!top_nan || where < top_at) : (!top_nan && (v > top || (v == top && where < top_at))))
+      top = v, top_at = where;
+  };
+  if (i > 0)
+    for (int j = 0; j < kBlock; ++j) better(best[j], at[j]);
+  for (; i < n; ++i) better(f32(x[i]), i);
+  return top_at;
 }
 
 torch::Tensor argmax_rows(const torch::Tensor& logits) {
