@@ -183,10 +183,10 @@ def test_peer_without_the_cluster_secret_is_rejected_and_counted(disagg, tenants
     assert {w["id"] for w in after["workers"]} == {w["id"] for w in status["workers"]}  # nobody joined
 
 
-def _steps_by_threads(server: Server, role: str) -> dict[int, float]:
+def _steps_by_threads(server: Server, role: str, metric: str = "isoserve_worker_steps_total") -> dict[int, float]:
     steps = {}
     for line in server.metrics().splitlines():
-        if line.startswith("isoserve_worker_steps_total{") and f'role="{role}"' in line:
+        if line.startswith(metric + "{") and f'role="{role}"' in line:
             threads = int(line.split('threads="')[1].split('"')[0])
             steps[threads] = steps.get(threads, 0) + float(line.split()[-1])
     return steps
@@ -200,6 +200,7 @@ def test_a_lone_busy_worker_takes_the_idle_workers_cores(disagg, tenants, model)
     cores = host_cores()
     assert "share %d core(s)" % cores in disagg.log()
     before = {role: _steps_by_threads(disagg, role).get(cores, 0) for role in ("prefill", "decode")}
+    seconds_before = _steps_by_threads(disagg, "decode", "isoserve_worker_step_seconds_total").get(cores, 0)
     completion_ids(disagg, tenants[1]["alice"], model, PROMPTS[0], n=24)
     deadline = time.monotonic() + 10
     while True:  # the counts arrive with each worker's heartbeats, every half second
@@ -210,6 +211,9 @@ def test_a_lone_busy_worker_takes_the_idle_workers_cores(disagg, tenants, model)
         time.sleep(0.2)
     # 23 decode steps; the first may start before the prefill worker has marked itself idle.
     assert grown["decode"] >= 20 and grown["prefill"] >= 1, grown
+    # The same heartbeats carry the steps' summed wall time: a tiny model's step is milliseconds.
+    seconds = _steps_by_threads(disagg, "decode", "isoserve_worker_step_seconds_total").get(cores, 0) - seconds_before
+    assert 0 < seconds / grown["decode"] < 1.0, (seconds, grown)
 
 
 def test_two_workers_per_role_over_tcp_serve_50_concurrent_requests_from_3_tenants(

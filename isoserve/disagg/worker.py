@@ -36,6 +36,7 @@ HEARTBEAT_S = 0.5
 ALIVE_SUFFIX = "/alive"
 # Heartbeat counter of the steps run with N torch threads: this prefix, then N.
 STEPS_WITH_THREADS = "steps_with_threads_"
+STEP_US_WITH_THREADS = "step_us_with_threads_"  # the steps' summed wall time, in microseconds
 
 
 @dataclass
@@ -138,7 +139,9 @@ class Worker:
             threads = self._take_cores(stepping) if self.cores else torch.get_num_threads()
             if stepping:
                 self.count(STEPS_WITH_THREADS + str(threads))
+                started = time.perf_counter()
                 outputs = self.engine.step()
+                self.count(STEP_US_WITH_THREADS + str(threads), round((time.perf_counter() - started) * 1e6))
                 if self.cores and not self.engine.has_work():
                     # Idle before the outputs go out: a peer can start on them (a prompt's KV)
                     # at once, and should find our cores free.

@@ -67,6 +67,10 @@ class Metrics:
             "isoserve_worker_steps", "Engine steps of each worker, by the torch threads it ran "
             "them with (workers sharing a host's cores take more while their peers are idle)",
             ["worker", "role", "threads"], registry=r)
+        self.worker_step_seconds = Counter(
+            "isoserve_worker_step_seconds", "Wall time of those engine steps, summed: divided by "
+            "isoserve_worker_steps_total, a worker's mean step time as it serves",
+            ["worker", "role", "threads"], registry=r)
         self.rejected_messages = Counter(
             "isoserve_rejected_messages", "Messages dropped because they failed authentication, "
             "by channel", ["channel"], registry=r)
@@ -112,6 +116,9 @@ class Metrics:
 
     def count_worker_steps(self, worker: str, role: str, threads: str, n: int) -> None:
         self.worker_steps.labels(worker, role, threads).inc(n)
+
+    def count_worker_step_seconds(self, worker: str, role: str, threads: str, seconds: float) -> None:
+        self.worker_step_seconds.labels(worker, role, threads).inc(seconds)
 
     def count_guard_violation(self, worker: str, guard: str, n: int = 1) -> None:
         self.guard_violations.labels(worker, guard).inc(n)

@@ -18,7 +18,7 @@ import zmq.asyncio
 
 from isoserve.admission import check_prompt_fits, effective_prompt_limit
 from isoserve.disagg.wire import Signer, Unauthenticated
-from isoserve.disagg.worker import ALIVE_SUFFIX, STEPS_WITH_THREADS
+from isoserve.disagg.worker import ALIVE_SUFFIX, STEP_US_WITH_THREADS, STEPS_WITH_THREADS
 from isoserve.engine.deadlines import Deadlines
 from isoserve.engine.engine import RequestOutput
 from isoserve.engine.sequence import TokenLogprob
@@ -357,6 +357,9 @@ class Router:
         elif name.startswith(STEPS_WITH_THREADS):
             self.metrics.count_worker_steps(worker.id, worker.role,
                                             name.removeprefix(STEPS_WITH_THREADS), n)
+        elif name.startswith(STEP_US_WITH_THREADS):
+            self.metrics.count_worker_step_seconds(worker.id, worker.role,
+                                                   name.removeprefix(STEP_US_WITH_THREADS), n / 1e6)
 
     async def _watch_heartbeats(self) -> None:
         while True:
