@@ -306,7 +306,10 @@ async def _wait_for_workers(router, procs, total: int, timeout: float) -> None:
     loop = asyncio.get_running_loop()
     deadline = loop.time() + timeout
     while len(router.workers) < total:
-        dead = [p for p in procs if p.poll() is not None]
+        # A worker the capacity audit refused exits on its own, maybe before its peers register:
+        # that is the audit's verdict (the table and exit status 2 follow), not a failed start.
+        refused = {w.pid for w in router.workers.values() if w.state == "refused"}
+        dead = [p for p in procs if p.poll() is not None and p.pid not in refused]
         if dead:
             raise SystemExit(f"serve: a worker exited with status {dead[0].returncode} before registering")
         if loop.time() > deadline:
