@@ -183,7 +183,8 @@ def test_peer_without_the_cluster_secret_is_rejected_and_counted(disagg, tenants
     assert {w["id"] for w in after["workers"]} == {w["id"] for w in status["workers"]}  # nobody joined
 
 
-def _steps_by_threads(server: Server, role: str, metric: str = "isoserve_worker_steps_total") -> dict[int, float]:
+def _by_threads(server: Server, role: str, metric: str = "isoserve_worker_steps_total") -> dict[int, float]:
+    """A worker counter's values summed by its threads label, for one role."""
     steps = {}
     for line in server.metrics().splitlines():
         if line.startswith(metric + "{") and f'role="{role}"' in line:
@@ -199,12 +200,12 @@ def test_a_lone_busy_worker_takes_the_idle_workers_cores(disagg, tenants, model)
 
     cores = host_cores()
     assert "share %d core(s)" % cores in disagg.log()
-    before = {role: _steps_by_threads(disagg, role).get(cores, 0) for role in ("prefill", "decode")}
-    seconds_before = _steps_by_threads(disagg, "decode", "isoserve_worker_step_seconds_total").get(cores, 0)
+    before = {role: _by_threads(disagg, role).get(cores, 0) for role in ("prefill", "decode")}
+    seconds_before = _by_threads(disagg, "decode", "isoserve_worker_step_seconds_total").get(cores, 0)
     completion_ids(disagg, tenants[1]["alice"], model, PROMPTS[0], n=24)
     deadline = time.monotonic() + 10
     while True:  # the counts arrive with each worker's heartbeats, every half second
-        grown = {role: _steps_by_threads(disagg, role).get(cores, 0) - before[role]
+        grown = {role: _by_threads(disagg, role).get(cores, 0) - before[role]
                  for role in ("prefill", "decode")}
         if (grown["decode"] >= 20 and grown["prefill"] >= 1) or time.monotonic() > deadline:
             break
@@ -212,7 +213,7 @@ def test_a_lone_busy_worker_takes_the_idle_workers_cores(disagg, tenants, model)
     # 23 decode steps; the first may start before the prefill worker has marked itself idle.
     assert grown["decode"] >= 20 and grown["prefill"] >= 1, grown
     # The same heartbeats carry the steps' summed wall time: a tiny model's step is milliseconds.
-    seconds = _steps_by_threads(disagg, "decode", "isoserve_worker_step_seconds_total").get(cores, 0) - seconds_before
+    seconds = _by_threads(disagg, "decode", "isoserve_worker_step_seconds_total").get(cores, 0) - seconds_before
     assert 0 < seconds / grown["decode"] < 1.0, (seconds, grown)
 
 

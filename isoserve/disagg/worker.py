@@ -136,8 +136,10 @@ class Worker:
                 self._drain(self.router, self._on_router_message)
             self.role.poll_extra(events)
             stepping = self.registered and self.engine.has_work()
-            threads = self._take_cores(stepping) if self.cores else torch.get_num_threads()
+            if self.cores:
+                self.cores.set_busy(stepping)
             if stepping:
+                threads = self._take_cores() if self.cores else torch.get_num_threads()
                 self.count(STEPS_WITH_THREADS + str(threads))
                 started = time.perf_counter()
                 outputs = self.engine.step()
@@ -164,15 +166,11 @@ class Worker:
         self.ctx.term()
         return 0
 
-    def _take_cores(self, stepping: bool) -> int:
-        """Mark this worker busy or idle for its peers; before a step, take the threads its
-        share allows now. Returns the threads the next step runs with."""
-        self.cores.set_busy(stepping)
-        current = torch.get_num_threads()
-        if not stepping:
-            return current
+    def _take_cores(self) -> int:
+        """Before a step (this worker marked busy): take the threads its share allows now, and
+        return them."""
         threads = self.cores.threads()
-        if threads != current:
+        if threads != torch.get_num_threads():
             torch.set_num_threads(threads)
         return threads
 

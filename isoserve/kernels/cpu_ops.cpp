@@ -368,13 +368,16 @@ void attend(const T* q, const T* kc, const T* vc, const int64_t* pages, const in
     const int64_t b = task / kv_heads, h = task % kv_heads, len = lens[b];
     const int64_t* table = pages + b * width;
     const T* q_head = q + (b * heads + h * group) * dim;
-    for (int64_t g = 0; g < group; ++g)
-      for (int64_t c = 0; c < chunks; ++c) qv[g * chunks + c] = load_chunk(q_head + g * dim, c, dim) * scale;
+    // The query as the scores use it: raw bfloat16 pairs for the dot product (scaled after the
+    // sum), else scaled float32 vectors.
 #if defined(__AVX512BF16__)
     if constexpr (DOT)
       for (int64_t g = 0; g < G; ++g)
         for (int64_t p = 0; p < C / 2; ++p) q_pairs[g * C / 2 + p] = load_bf16_pairs(q_head + g * dim + p * 2 * kBlock);
 #endif
+    if constexpr (!DOT)
+      for (int64_t g = 0; g < group; ++g)
+        for (int64_t c = 0; c < chunks; ++c) qv[g * chunks + c] = load_chunk(q_head + g * dim, c, dim) * scale;
     // Scores, padded to whole blocks so each block stores one full vector per query head. Keys
     // are walked page by page, slot by slot (no division per key); each is converted once and
     // dotted with every query head of the group.
@@ -567,6 +570,8 @@ int64_t argmax_row(const T* x, int64_t n) {
 torch::Tensor argmax_rows(const torch::Tensor& logits) {
   check_float_cpu(logits, "logits");
   TORCH_CHECK(logits.dim() == 2 && logits.size(1) > 0, "argmax_rows takes [rows, n > 0]");
+  TORCH_CHECK(logits.size(1) <= std::numeric_limits<int32_t>::max(),
+              "argmax_rows keeps indices in 32-bit lanes: rows of at most 2^31 - 1 values");
   const int64_t rows = logits.size(0), n = logits.size(1);
   auto out = torch::empty({rows}, logits.options().dtype(at::kLong));
   int64_t* o = out.data_ptr<int64_t>();
