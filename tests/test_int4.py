@@ -1,4 +1,5 @@
-"""The int4 path for small decode steps: a GGUF's Q4_1 blocks multiplied by torch's int4 kernel.
+"""The 4-bit path for decode steps: a GGUF's Q4_1 blocks multiplied by torch's int4 kernel and,
+where the CPU has AMX, by isoserve's AMX kernel (its own tests: test_amx_matmul.py).
 
 Real files throughout: a tiny random Llama written as a Q4_1 GGUF (as llama.cpp's converter
 would quantize it) and the packaged SmolLM2 GGUF.
@@ -10,6 +11,7 @@ import torch
 import torch.nn.functional as F
 
 from isoserve.engine.llm import LLM
+from isoserve.kernels import cpu_ops
 from isoserve.engine.sampling_params import SamplingParams
 from isoserve.model import int4
 from isoserve.model.llama import LlamaModel
@@ -55,21 +57,55 @@ def test_int4_matmul_is_as_close_to_the_exact_product_as_bfloat16(tiny_checkpoin
     assert err_int4 < 0.02 * exact.abs().max()
 
 
-def test_projection_uses_int4_up_to_its_row_limit_and_packed_bfloat16_above(tiny_checkpoint):
-    weights = tiny_checkpoint.weights
+def _gate_up(weights):
     names = [f"model.layers.0.mlp.{p}.weight" for p in ("gate_proj", "up_proj")]  # merged, like the model
-    packed = int4.Int4Weight.from_companions(
-        [tuple(weights[n + s] for s in int4.COMPANIONS) for n in names], torch.bfloat16)
-    full = torch.cat([weights[n] for n in names])
-    proj = Projection(full, None, packed, int4_max_rows=4)
+    return [tuple(weights[n + s] for s in int4.COMPANIONS) for n in names], torch.cat([weights[n] for n in names])
+
+
+def test_projection_takes_the_first_tier_within_its_rows_and_packed_bfloat16_above(tiny_checkpoint):
+    parts, full = _gate_up(tiny_checkpoint.weights)
+    packed = int4.Int4Weight.from_companions(parts, torch.bfloat16)
+    proj = Projection(full, None, [(4, packed)])
     assert proj.packed is not None  # oneDNN's blocked copy of the weight, on every CPU torch build
     x = torch.randn(5, full.shape[1]).to(torch.bfloat16)
     assert torch.equal(proj(x[:4]), packed.matmul(x[:4]))
     reference = F.linear(x, full)
     torch.testing.assert_close(proj(x), reference, rtol=1e-2, atol=1e-2 * reference.abs().max().item())
-    off = Projection(full, None, packed, int4_max_rows=0)
-    assert off.int4 is None
+    off = Projection(full, None, [(0, packed)])
+    assert off.tiers == []
     torch.testing.assert_close(off(x[:1]), reference[:1], rtol=1e-2, atol=1e-2 * reference.abs().max().item())
+    # Tiers apply in order of their row limits, whatever order they come in.
+    other = int4.Int4Weight.from_companions(parts, torch.bfloat16)
+    two = Projection(full, None, [(4, other), (1, packed)])
+    assert [rows for rows, _ in two.tiers] == [1, 4]
+    assert torch.equal(two(x[:1]), packed.matmul(x[:1])) and torch.equal(two(x[:3]), other.matmul(x[:3]))
+
+
+def _machine_has_amx() -> bool:
+    flags = next(line for line in open("/proc/cpuinfo") if line.startswith("flags")).split()
+    return {"amx_tile", "amx_bf16", "avx512_bf16", "avx512bw", "avx512vl"} <= set(flags)
+
+
+def test_four_bit_tiers_follow_the_cpu(tiny_checkpoint):
+    # With AMX: torch's int4 kernel for one or two rows, then AMX up to 32; elsewhere torch's up
+    # to 4. An explicit limit moves the top tier's, and 0 turns 4-bit off.
+    parts, _ = _gate_up(tiny_checkpoint.weights)
+    kernels = cpu_ops()
+
+    def kinds(**options):
+        return [(rows, type(q4).__name__) for rows, q4 in int4.q4_tiers(parts, torch.bfloat16, kernels, **options)]
+
+    if _machine_has_amx():
+        assert kinds() == [(2, "Int4Weight"), (32, "AmxQ4Weight")]
+        assert kinds(max_rows=8) == [(2, "Int4Weight"), (8, "AmxQ4Weight")]
+        assert kinds(max_rows=1) == [(1, "Int4Weight")]
+    else:
+        assert kinds() == [(4, "Int4Weight")]
+        assert kinds(max_rows=8) == [(8, "Int4Weight")]
+    assert kinds(max_rows=0) == []
+    assert int4.q4_tiers(parts, torch.float32, kernels) == []
+    # Without the fused kernels there is no AMX kernel: torch's int4 kernel alone.
+    assert [(r, type(q).__name__) for r, q in int4.q4_tiers(parts, torch.bfloat16, None)] == [(4, "Int4Weight")]
 
 
 @pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])
@@ -86,7 +122,7 @@ def test_packed_projection_matches_f_linear(dtype, rows):
 
 def test_model_takes_the_int4_path_only_in_bfloat16_on_cpu_with_companions(tiny_checkpoint, tiny_q4_1,
                                                                            tiny_llama_dir, tmp_path):
-    def model(ckpt, dtype, rows=8):
+    def model(ckpt, dtype, rows=None):
         return LlamaModel(ckpt.config, ckpt.weights, dtype, int4_max_rows=rows)
 
     assert model(tiny_checkpoint, torch.bfloat16).int4_projections == 2 * 4  # qkv, o, gate_up, down
@@ -109,21 +145,25 @@ def _agreement(run, reference) -> tuple[int, float]:
 
 
 def test_default_model_with_int4_is_as_faithful_as_bfloat16(isoserve_cache):
-    # The int4 path multiplies by the file's own weights, rounding only scale and zero to
-    # bfloat16; the bfloat16 path rounds every weight. Against the exact weights (float32),
-    # the int4 path must be no less faithful than bfloat16: as many greedy tokens in common,
-    # and logprob errors of the same size (both ~0.1 nat at worst on this model).
+    # The 4-bit path multiplies by the file's own weights; the bfloat16 path rounds every
+    # weight. Against the exact weights (float32), 4-bit must be no less faithful than bfloat16:
+    # as many greedy tokens in common, and logprob errors of the same size (both ~0.1 nat at
+    # worst on this model). Each prompt alone (one row: torch's int4 kernel) and the four
+    # together (four rows: the AMX kernel where the CPU has it, else torch's int4 kernel).
     prompts = ["The capital of France is", "def fibonacci(n):", "Write a haiku about rain.",
                "List three prime numbers:"]
     params = SamplingParams(max_tokens=24, temperature=0.0, ignore_eos=True, logprobs=3)
     runs = {}
     for name, options in {"float32": {"dtype": "float32"},
-                          "int4": {"dtype": "bfloat16", "int4_max_rows": 4},
+                          "int4": {"dtype": "bfloat16"},
                           "bfloat16": {"dtype": "bfloat16", "int4_max_rows": 0}}.items():
         llm = LLM(cache_dir=str(isoserve_cache), **options)
         assert (llm.engine.model.int4_projections > 0) == (name == "int4")
-        runs[name] = [llm.generate([p], params)[0] for p in prompts]  # batch 1: the int4 path
-    int4 = [_agreement(r, ref) for r, ref in zip(runs["int4"], runs["float32"])]
+        runs[name] = [llm.generate([p], params)[0] for p in prompts]
+        runs[name + " together"] = llm.generate(prompts, params)
     bf16 = [_agreement(r, ref) for r, ref in zip(runs["bfloat16"], runs["float32"])]
-    assert sum(s for s, _ in int4) >= sum(s for s, _ in bf16) - params.max_tokens // 2, (int4, bf16)
-    assert max(w for _, w in int4) <= 1.5 * max(w for _, w in bf16) + 0.05, (int4, bf16)
+    for run in ("int4", "int4 together"):
+        int4_agreement = [_agreement(r, ref) for r, ref in zip(runs[run], runs["float32"])]
+        assert sum(s for s, _ in int4_agreement) >= sum(s for s, _ in bf16) - params.max_tokens // 2, \
+            (run, int4_agreement, bf16)
+        assert max(w for _, w in int4_agreement) <= 1.5 * max(w for _, w in bf16) + 0.05, (run, int4_agreement, bf16)

@@ -83,13 +83,13 @@ class Engine:
         log.info("engine ready: model=%s dtype=%s device=%s pool=%d pages x %d tokens = %d tokens "
                  "(%.1f MiB) context=%d int4=%s layers=%s (%.1fs)", self.model_name, config.dtype, config.device,
                  num_pages, config.page_size, self.pool.capacity_tokens, self.pool.nbytes / 2**20,
-                 self.context_length, self._int4_summary(config), self._ops_summary(),
+                 self.context_length, self._int4_summary(), self._ops_summary(),
                  time.perf_counter() - t0)
 
-    def _int4_summary(self, config: EngineConfig) -> str:
+    def _int4_summary(self) -> str:
         if not self.model.int4_projections:
             return "off"
-        return f"{self.model.int4_projections} projections for steps of <= {config.int4_max_rows} tokens"
+        return "; ".join(f"{n} projections: {path}" for path, n in self.model.int4_paths.items())
 
     def _ops_summary(self) -> str:
         note = self.model.ops_note

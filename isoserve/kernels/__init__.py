@@ -1,4 +1,4 @@
-"""Fused CPU kernels (cpu_ops.cpp), built with torch's C++ extension builder.
+"""Fused CPU kernels (cpu_ops.cpp, amx_matmul.cpp), built with torch's C++ extension builder.
 
 `make install` builds them once (`python -m isoserve.kernels`: ninja and the system C++
 compiler) into a folder named after a hash of the source, the flags and the torch version.
@@ -24,10 +24,12 @@ from isoserve.config import default_cache_dir
 
 log = logging.getLogger("isoserve.kernels")
 
-SOURCE = Path(__file__).with_name("cpu_ops.cpp")
-# Native code for the CPU it is built on, minus AMX: these VMs advertise AMX but fault on it
-# (the same flags bench/build_llama_server.sh needs for llama.cpp). OpenMP is torch's own
-# runtime (same soname, already loaded), so at::parallel_for follows torch.set_num_threads.
+SOURCES = [Path(__file__).with_name(name) for name in ("cpu_ops.cpp", "amx_matmul.cpp")]
+# Native code for the CPU it is built on, minus AMX: a process must ask Linux for the tile state
+# before its first AMX instruction, or that instruction faults (as llama.cpp's does on these VMs:
+# bench/build_llama_server.sh). amx_matmul.cpp enables AMX for its own functions only, and runs
+# them after that request succeeded. OpenMP is torch's own runtime (same soname, already
+# loaded), so at::parallel_for follows torch.set_num_threads.
 CFLAGS = ["-O3", "-march=native", "-mno-amx-tile", "-mno-amx-int8", "-mno-amx-bf16", "-fopenmp"]
 LDFLAGS = ["-fopenmp"]
 
@@ -44,8 +46,8 @@ def module_name() -> str:
     """Names the build: a changed source, flag or torch version is a different library."""
     import torch
     digest = hashlib.sha256()
-    for part in (SOURCE.read_bytes(), " ".join(CFLAGS + LDFLAGS).encode(), torch.__version__.encode(),
-                 sys.version.encode()):
+    for part in (*(source.read_bytes() for source in SOURCES), " ".join(CFLAGS + LDFLAGS).encode(),
+                 torch.__version__.encode(), sys.version.encode()):
         digest.update(part)
     return f"isoserve_cpu_ops_{digest.hexdigest()[:12]}"
 
@@ -73,7 +75,7 @@ def _build(name: str, folder: Path) -> None:
     from torch.utils.cpp_extension import load
     folder.mkdir(parents=True, exist_ok=True)
     try:
-        load(name=name, sources=[str(SOURCE)], extra_cflags=CFLAGS, extra_ldflags=LDFLAGS,
+        load(name=name, sources=[str(source) for source in SOURCES], extra_cflags=CFLAGS, extra_ldflags=LDFLAGS,
              build_directory=str(folder), verbose=False)
     except (OSError, RuntimeError, ImportError) as e:  # no compiler, no ninja, a failed build
         raise KernelsUnavailable(f"the fused CPU kernels could not be built: {e}") from e

@@ -5,6 +5,7 @@ tied embeddings. One forward runs a whole scheduler step (decodes and prefill ch
 """
 from __future__ import annotations
 
+from collections import Counter
 from dataclasses import dataclass
 
 import torch
@@ -12,7 +13,7 @@ import torch.nn.functional as F
 
 from isoserve.kv.pool import KVPool
 from isoserve.model.config import ModelConfig
-from isoserve.model.int4 import COMPANIONS, Int4Weight, has_companions
+from isoserve.model.int4 import COMPANIONS, has_companions, q4_tiers
 from isoserve.model.layer_ops import select_ops
 from isoserve.model.projection import Projection
 from isoserve.model.paged_attention import StepAttention, paged_attention
@@ -32,16 +33,19 @@ class LayerWeights:
 class LlamaModel:
     def __init__(self, cfg: ModelConfig, weights: dict[str, torch.Tensor], dtype: torch.dtype,
                  device: torch.device | str = "cpu", max_positions: int | None = None,
-                 int4_max_rows: int = 0, fused_kernels: bool = True):
+                 int4_max_rows: int | None = None, fused_kernels: bool = True):
         """int4_max_rows: steps of at most this many tokens multiply by the int4 companions of
         Q4_1 weights (model/int4.py), where the checkpoint has them; bfloat16 on CPU only.
+        None: the defaults of the 4-bit kernels this machine runs (model/int4.py: q4_tiers).
         fused_kernels: run the work between matmuls as fused CPU kernels where they apply
-        (model/layer_ops.py); `self.ops_note` says why not otherwise."""
+        (model/layer_ops.py, and the AMX matmul); `self.ops_note` says why not otherwise."""
         self.cfg = cfg
         self.dtype = dtype
         self.device = torch.device(device)
-        if dtype != torch.bfloat16 or self.device.type != "cpu":
+        self.ops, self.ops_note = select_ops(self.device, dtype, fused_kernels)
+        if self.device.type != "cpu":
             int4_max_rows = 0
+        self.int4_paths: Counter[str] = Counter()  # 4-bit kernels and their row limits: projections
 
         def w(name: str) -> torch.Tensor:
             if name not in weights:
@@ -51,11 +55,13 @@ class LlamaModel:
         def projection(names: list[str], bias: torch.Tensor | None = None) -> Projection:
             """One matmul for the projections in `names`, stacked by output rows."""
             full = torch.cat([w(n) for n in names]).contiguous()
-            packed = None
-            if int4_max_rows and all(has_companions(weights, n) for n in names):
-                packed = Int4Weight.from_companions(
-                    [tuple(weights[n + s] for s in COMPANIONS) for n in names], dtype)
-            return Projection(full, bias, packed, int4_max_rows)
+            tiers = []
+            if all(has_companions(weights, n) for n in names):
+                tiers = q4_tiers([tuple(weights[n + s] for s in COMPANIONS) for n in names],
+                                 dtype, self.ops.kernels, int4_max_rows)
+            if tiers:
+                self.int4_paths[", ".join(f"{q4.name} for steps of <= {rows} tokens" for rows, q4 in tiers)] += 1
+            return Projection(full, bias, tiers)
 
         self.embed = w("model.embed_tokens.weight")
         self.final_norm = w("model.norm.weight")
@@ -75,10 +81,8 @@ class LlamaModel:
                 gate_up=projection([p + "mlp.gate_proj.weight", p + "mlp.up_proj.weight"]),
                 down=projection([p + "mlp.down_proj.weight"]),
             ))
-        self.int4_projections = sum(proj.int4 is not None for layer in self.layers
-                                    for proj in (layer.qkv, layer.o, layer.gate_up, layer.down))
+        self.int4_projections = sum(self.int4_paths.values())
         self.rope = RotaryEmbedding(cfg, max_positions or cfg.max_position_embeddings, dtype, self.device)
-        self.ops, self.ops_note = select_ops(self.device, dtype, fused_kernels)
         self.scale = cfg.head_dim ** -0.5
         self._q_size = cfg.num_heads * cfg.head_dim
 

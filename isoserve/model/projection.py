@@ -1,10 +1,11 @@
 """Projection: y = x W^T (+ b), the way that is fastest for the step's number of rows.
 
-Two ways, both decided at load time and measured on this project's 2-core CPUs
+The ways are decided at load time and were measured on this project's 2-core CPUs
 (`docs/benchmarks.md`):
-  - steps of at most `int4_max_rows` rows multiply by the GGUF's own 4-bit blocks
-    (model/int4.py): a small decode batch is bound by reading weights, and 4-bit weights are a
-    quarter of the bytes;
+  - 4-bit tiers (model/int4.py): a step of at most a tier's rows multiplies by the GGUF's own
+    Q4_1 blocks, a third of bfloat16's bytes; a decode step is bound by reading weights. Where
+    the CPU has AMX: torch's int4 kernel up to 2 rows, isoserve's AMX kernel up to 32; elsewhere
+    torch's int4 kernel up to 4 rows.
   - every other step multiplies by the weight in oneDNN's blocked layout, reordered once here.
     torch's F.linear hands oneDNN the plain [out, in] weight and it re-blocks it on every call;
     prepacked, the default model's projections took two-thirds of the time at 32 rows and
@@ -17,25 +18,29 @@ from __future__ import annotations
 import torch
 import torch.nn.functional as F
 
-from isoserve.model.int4 import Int4Weight
+from isoserve.model.int4 import AmxQ4Weight, Int4Weight
 
 _ONEDNN_DTYPES = (torch.bfloat16, torch.float32)
 
 
+Tier = tuple[int, AmxQ4Weight | Int4Weight]  # (most rows it takes, the 4-bit weight)
+
+
 class Projection:
-    def __init__(self, weight: torch.Tensor, bias: torch.Tensor | None = None,
-                 int4: Int4Weight | None = None, int4_max_rows: int = 0):
+    def __init__(self, weight: torch.Tensor, bias: torch.Tensor | None = None, tiers: list[Tier] = ()):
+        """tiers: by rising row limit; a step takes the first whose limit it is within."""
         self.bias = bias
-        self.int4 = int4 if int4_max_rows > 0 else None
-        self.int4_max_rows = int4_max_rows
+        self.tiers = sorted(((rows, q4) for rows, q4 in tiers if rows > 0), key=lambda tier: tier[0])
         self.out_features, self.in_features = weight.shape
         self.packed = _onednn_packed(weight)
         self.weight = weight if self.packed is None else None  # the packed copy replaces it
 
     def __call__(self, x: torch.Tensor) -> torch.Tensor:
-        if self.int4 is not None and x.shape[0] <= self.int4_max_rows:
-            y = self.int4.matmul(x)
-            return y if self.bias is None else y + self.bias
+        rows = x.shape[0]
+        for max_rows, q4 in self.tiers:
+            if rows <= max_rows:
+                y = q4.matmul(x)
+                return y if self.bias is None else y + self.bias
         if self.packed is not None:
             return torch.ops.mkldnn._linear_pointwise(x.contiguous(), self.packed, self.bias, "none", [], "")
         return F.linear(x, self.weight, self.bias)

@@ -141,8 +141,10 @@ def _worker_command(args, role: str, index: int, router: str, kv_endpoint: str, 
            "--role", role, "--router", router, "--worker-id", f"{role}-{index}",
            "--model", args.model, "--dtype", args.dtype, "--device", args.device,
            "--page-size", str(args.page_size), "--max-num-seqs", str(_max_num_seqs(args, role)),
-           "--max-batched-tokens", str(args.max_batched_tokens), "--int4-max-rows", str(args.int4_max_rows),
+           "--max-batched-tokens", str(args.max_batched_tokens),
            "--transfer-timeout", str(args.transfer_timeout), "--threads", str(threads)]
+    if args.int4_max_rows is not None:  # otherwise each worker takes its own kernel's default
+        cmd += ["--int4-max-rows", str(args.int4_max_rows)]
     if args.context_length:
         cmd += ["--context-length", str(args.context_length)]
     if core_share:

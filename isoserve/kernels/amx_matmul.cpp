@@ -1,0 +1,183 @@
+// y = x W^T for a GGUF's Q4_1 weights on AMX: each 16 x 32 block of W is widened to bfloat16 in
+// vector registers and multiplied by the AMX tile unit, so a decode step reads 5 bits per
+// weight instead of bfloat16's 16 and never writes a dequantized copy to memory.
+//
+// Why: a decode step of up to a few dozen sequences is bound by reading the weights. oneDNN's
+// bfloat16 matmul on the prepacked weight runs near the memory bandwidth, so only fewer bytes
+// make it faster; torch's int4 CPU kernel reads those fewer bytes but multiplies on the vector
+// units and is slower than bfloat16 from ~5 rows on (docs/benchmarks.md).
+//
+// Exactness: a weight is bf16(d * q + m) computed in float32, as gguf-py's dequantizer (float32
+// d * q, plus m) and the loader's rounding to bfloat16 make it. d is a float16 and q < 16, so
+// d * q is exact in float32 and one fused multiply-add rounds the same as the two steps. The
+// tile unit then sees the very bfloat16 weights the bfloat16 path multiplies by.
+//
+// Block layout (model/int4.py builds it; both sides must agree): W [N, K] is cut into blocks of
+// 16 output rows x 32 inputs, ordered by pairs of row blocks (32 outputs), then by input block,
+// then the two row blocks of the pair. A block is kQ4Block bytes: 16 lines of 16 code bytes,
+// then its 16 d and 16 m as float16. Line r holds inputs 2r and 2r + 1: byte i's low nibble is
+// output row i / 2, input 2r + i % 2; its high nibble output row 8 + i / 2, the same input. That
+// is the order of an AMX B tile line (16 outputs x a pair of inputs) split in two halves, so
+// each line widens to one tile line with no shuffle.
+#include <torch/extension.h>
+#include <ATen/Parallel.h>
+
+#include <cpuid.h>
+#include <immintrin.h>
+#include <sys/syscall.h>
+#include <unistd.h>
+
+#include <cstring>
+#include <string>
+
+namespace {
+
+constexpr int64_t kQ4Block = 320;      // 256 code bytes + 16 float16 d + 16 float16 m
+constexpr int64_t kTileLine = 64;      // bytes per tile line: 32 bfloat16 or 16 float32
+constexpr int64_t kRowsPerChunk = 32;  // x rows per pass: two 16-row A tiles
+
+// Compiled for these extensions whatever -march says (the file is built without AMX by
+// default); called only after amx_status() found the CPU and the OS ready for them.
+#define ISOSERVE_AMX __attribute__((target("amx-tile,amx-bf16,avx512f,avx512bw,avx512vl,avx512bf16,f16c,fma")))
+
+std::string probe_amx() {
+  unsigned a, b, c, d;
+  if (!__get_cpuid_count(7, 0, &a, &b, &c, &d)) return "the CPU reports no extended features";
+  const bool tile = d & (1u << 24), amx_bf16 = d & (1u << 22);
+  const bool avx512 = (b & (1u << 16)) && (b & (1u << 30)) && (b & (1u << 31));  // F, BW, VL
+  __get_cpuid_count(7, 1, &a, &b, &c, &d);
+  const bool avx512_bf16 = a & (1u << 5);
+  if (!tile || !amx_bf16) return "the CPU has no AMX-BF16";
+  if (!avx512 || !avx512_bf16) return "the CPU has AMX but not AVX-512 BF16";
+  // Linux hands a process the (large) tile register state only on request; without it the
+  // first tile instruction faults. ARCH_REQ_XCOMP_PERM = 0x1023, XFEATURE_XTILEDATA = 18.
+  if (syscall(SYS_arch_prctl, 0x1023, 18) != 0) return "the OS did not grant AMX tile state";
+  return "";
+}
+
+struct alignas(64) TileConfig {
+  uint8_t palette = 1;
+  uint8_t start_row = 0;
+  uint8_t reserved[14] = {};
+  uint16_t bytes_per_row[16] = {};
+  uint8_t rows[16] = {};
+};
+
+// Tiles: 0-3 accumulators (x rows 0-15 and 16-31, times output blocks 0 and 1 of a pair),
+// 4-5 the two A tiles of x, 6-7 the B tiles of the two weight blocks.
+ISOSERVE_AMX void configure_tiles(int rows0, int rows1) {
+  TileConfig cfg;
+  const int r1 = rows1 > 0 ? rows1 : 1;  // an unused tile still needs a valid shape
+  const int rows[8] = {rows0, rows0, r1, r1, rows0, r1, 16, 16};
+  for (int t = 0; t < 8; ++t) {
+    cfg.rows[t] = static_cast<uint8_t>(rows[t]);
+    cfg.bytes_per_row[t] = kTileLine;
+  }
+  _tile_loadconfig(&cfg);
+}
+
+// One block's codes -> its 16 x 32 bfloat16 weights as a B tile (16 lines of 64 bytes).
+ISOSERVE_AMX inline void widen_block(const uint8_t* block, uint16_t* tile) {
+  const __m512 d = _mm512_cvtph_ps(_mm256_loadu_si256(reinterpret_cast<const __m256i*>(block + 256)));
+  const __m512 m = _mm512_cvtph_ps(_mm256_loadu_si256(reinterpret_cast<const __m256i*>(block + 288)));
+  // Lane i of a line's low half is output row i / 2, of its high half 8 + i / 2.
+  const __m512i low_rows = _mm512_set_epi32(7, 7, 6, 6, 5, 5, 4, 4, 3, 3, 2, 2, 1, 1, 0, 0);
+  const __m512i high_rows = _mm512_set_epi32(15, 15, 14, 14, 13, 13, 12, 12, 11, 11, 10, 10, 9, 9, 8, 8);
+  const __m512 d_low = _mm512_permutexvar_ps(low_rows, d), d_high = _mm512_permutexvar_ps(high_rows, d);
+  const __m512 m_low = _mm512_permutexvar_ps(low_rows, m), m_high = _mm512_permutexvar_ps(high_rows, m);
+  const __m512i nibble = _mm512_set1_epi32(15);
+  for (int line = 0; line < 16; ++line) {
+    const __m512i codes = _mm512_cvtepu8_epi32(_mm_loadu_si128(reinterpret_cast<const __m128i*>(block + 16 * line)));
+    const __m512 low = _mm512_fmadd_ps(_mm512_cvtepi32_ps(_mm512_and_si512(codes, nibble)), d_low, m_low);
+    const __m512 high = _mm512_fmadd_ps(_mm512_cvtepi32_ps(_mm512_srli_epi32(codes, 4)), d_high, m_high);
+    _mm512_store_si512(reinterpret_cast<__m512i*>(tile + 32 * line),
+                       reinterpret_cast<__m512i>(_mm512_cvtne2ps_pbh(high, low)));
+  }
+}
+
+// Output columns [32 * pair_begin, 32 * pair_end) of y, for every row of x.
+ISOSERVE_AMX void q4_1_columns(const uint16_t* x, int64_t rows, int64_t K, const uint8_t* blocks,
+                               uint16_t* y, int64_t N, int64_t pair_begin, int64_t pair_end) {
+  const int64_t k_blocks = K / 32;
+  const int64_t x_stride = K * 2;
+  alignas(64) uint16_t b_tiles[2][2][512];  // two k steps in flight, two blocks each
+  alignas(64) float acc[32 * 32];
+  int configured0 = -1, configured1 = -1;
+  for (int64_t m0 = 0; m0 < rows; m0 += kRowsPerChunk) {
+    const int rows0 = static_cast<int>(std::min<int64_t>(16, rows - m0));
+    const int rows1 = static_cast<int>(std::max<int64_t>(0, std::min<int64_t>(16, rows - m0 - 16)));
+    if (rows0 != configured0 || rows1 != configured1) {
+      configure_tiles(rows0, rows1);
+      configured0 = rows0;
+      configured1 = rows1;
+    }
+    const uint16_t* x0 = x + m0 * K;
+    const uint16_t* x1 = x0 + 16 * K;
+    for (int64_t pair = pair_begin; pair < pair_end; ++pair) {
+      const uint8_t* pair_blocks = blocks + pair * k_blocks * 2 * kQ4Block;
+      _tile_zero(0);
+      _tile_zero(1);
+      _tile_zero(2);
+      _tile_zero(3);
+      for (int64_t kb = 0; kb < k_blocks; ++kb) {
+        uint16_t* b0 = b_tiles[kb & 1][0];
+        uint16_t* b1 = b_tiles[kb & 1][1];
+        widen_block(pair_blocks + (2 * kb) * kQ4Block, b0);
+        widen_block(pair_blocks + (2 * kb + 1) * kQ4Block, b1);
+        _tile_loadd(6, b0, kTileLine);
+        _tile_loadd(7, b1, kTileLine);
+        _tile_loadd(4, x0 + 32 * kb, x_stride);
+        _tile_dpbf16ps(0, 4, 6);
+        _tile_dpbf16ps(1, 4, 7);
+        if (rows1 > 0) {
+          _tile_loadd(5, x1 + 32 * kb, x_stride);
+          _tile_dpbf16ps(2, 5, 6);
+          _tile_dpbf16ps(3, 5, 7);
+        }
+      }
+      // Accumulators out as float32 [32 rows][32 outputs], then rounded to bfloat16 once.
+      _tile_stored(0, acc, 128);
+      _tile_stored(1, acc + 16, 128);
+      if (rows1 > 0) {
+        _tile_stored(2, acc + 512, 128);
+        _tile_stored(3, acc + 512 + 16, 128);
+      }
+      for (int i = 0; i < rows0 + rows1; ++i) {
+        const __m512 first = _mm512_load_ps(acc + 32 * i), second = _mm512_load_ps(acc + 32 * i + 16);
+        _mm512_storeu_si512(reinterpret_cast<__m512i*>(y + (m0 + i) * N + 32 * pair),
+                            reinterpret_cast<__m512i>(_mm512_cvtne2ps_pbh(second, first)));
+      }
+    }
+  }
+  _tile_release();  // hand the tile state back: a thread holding it costs every context switch
+}
+
+}  // namespace
+
+// "" when the AMX int4 matmul can run here, else why not (for the startup log).
+std::string amx_status() {
+  static const std::string status = probe_amx();
+  return status;
+}
+
+torch::Tensor q4_1_linear(const torch::Tensor& x, const torch::Tensor& blocks, int64_t out_features) {
+  TORCH_CHECK(amx_status().empty(), "q4_1_linear needs AMX: ", amx_status());
+  TORCH_CHECK(x.device().is_cpu() && x.scalar_type() == at::kBFloat16 && x.is_contiguous() && x.dim() == 2,
+              "q4_1_linear takes x as a contiguous bfloat16 CPU tensor [rows, in_features]");
+  TORCH_CHECK(blocks.device().is_cpu() && blocks.scalar_type() == at::kByte && blocks.is_contiguous(),
+              "q4_1_linear takes the weight blocks as a contiguous uint8 CPU tensor");
+  const int64_t rows = x.size(0), K = x.size(1), N = out_features;
+  TORCH_CHECK(K > 0 && K % 32 == 0 && N > 0 && N % 32 == 0,
+              "q4_1_linear needs in and out features that are multiples of 32, got ", K, " and ", N);
+  TORCH_CHECK(blocks.numel() == (N / 16) * (K / 32) * kQ4Block,
+              "q4_1_linear: ", blocks.numel(), " bytes of blocks do not make a [", N, ", ", K, "] weight");
+  auto y = torch::empty({rows, N}, x.options());
+  if (rows == 0) return y;
+  const auto* xp = reinterpret_cast<const uint16_t*>(x.data_ptr<at::BFloat16>());
+  auto* yp = reinterpret_cast<uint16_t*>(y.data_ptr<at::BFloat16>());
+  const uint8_t* bp = blocks.data_ptr<uint8_t>();
+  at::parallel_for(0, N / 32, 1, [&](int64_t begin, int64_t end) {
+    q4_1_columns(xp, rows, K, bp, yp, N, begin, end);
+  });
+  return y;
+}
