@@ -50,9 +50,9 @@ def test_build_llama_server_script_is_valid_bash():
     assert "set -euo pipefail" in script.read_text()
 
 
-def test_model_costs_count_parameters_not_their_int4_companions(tiny_llama_dir):
+def test_model_costs_count_parameters_not_their_quantized_companions(tiny_llama_dir):
     from isoserve.bench.roofline import model_costs
-    from isoserve.model import int4
+    from isoserve.model import int4, q8_0
     from isoserve.model.loader import load_checkpoint
 
     ckpt = load_checkpoint(str(tiny_llama_dir), torch.bfloat16)
@@ -62,4 +62,7 @@ def test_model_costs_count_parameters_not_their_int4_companions(tiny_llama_dir):
     with_blocks = dict(ckpt.weights)
     for suffix, shape in int4.companion_shapes(rows, cols).items():
         with_blocks[name + suffix] = torch.zeros(shape, dtype=torch.uint8)
+    embed = "model.embed_tokens.weight"
+    for suffix, shape in q8_0.companion_shapes(*ckpt.weights[embed].shape).items():
+        with_blocks[embed + suffix] = torch.zeros(shape, dtype=torch.int8)
     assert model_costs(ckpt.config, with_blocks, torch.bfloat16) == plain

@@ -14,6 +14,7 @@ from isoserve.engine.llm import LLM
 from isoserve.kernels import cpu_ops
 from isoserve.engine.sampling_params import SamplingParams
 from isoserve.model import int4
+from isoserve.model.quantized import q4_tiers
 from isoserve.model.llama import LlamaModel
 from isoserve.model.projection import Projection
 from isoserve.model.loader import load_checkpoint
@@ -93,7 +94,7 @@ def test_four_bit_tiers_follow_the_cpu(tiny_checkpoint):
     kernels = cpu_ops()
 
     def kinds(**options):
-        return [(rows, type(q4).__name__) for rows, q4 in int4.q4_tiers(parts, torch.bfloat16, kernels, **options)]
+        return [(rows, type(q4).__name__) for rows, q4 in q4_tiers(parts, torch.bfloat16, kernels, **options)]
 
     if _machine_has_amx():
         assert kinds() == [(2, "Int4Weight"), (32, "AmxQ4Weight")]
@@ -103,9 +104,9 @@ def test_four_bit_tiers_follow_the_cpu(tiny_checkpoint):
         assert kinds() == [(4, "Int4Weight")]
         assert kinds(max_rows=8) == [(8, "Int4Weight")]
     assert kinds(max_rows=0) == []
-    assert int4.q4_tiers(parts, torch.float32, kernels) == []
+    assert q4_tiers(parts, torch.float32, kernels) == []
     # Without the fused kernels there is no AMX kernel: torch's int4 kernel alone.
-    assert [(r, type(q).__name__) for r, q in int4.q4_tiers(parts, torch.bfloat16, None)] == [(4, "Int4Weight")]
+    assert [(r, type(q).__name__) for r, q in q4_tiers(parts, torch.bfloat16, None)] == [(4, "Int4Weight")]
 
 
 @pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])
@@ -125,12 +126,13 @@ def test_model_takes_the_int4_path_only_in_bfloat16_on_cpu_with_companions(tiny_
     def model(ckpt, dtype, rows=None):
         return LlamaModel(ckpt.config, ckpt.weights, dtype, int4_max_rows=rows)
 
-    assert model(tiny_checkpoint, torch.bfloat16).int4_projections == 2 * 4  # qkv, o, gate_up, down
-    assert model(tiny_checkpoint, torch.bfloat16, rows=0).int4_projections == 0
+    assert model(tiny_checkpoint, torch.bfloat16).quantized_projections == 2 * 4  # qkv, o, gate_up, down
+    # (the tiny file's LM head is F32: no Q8_0 blocks to multiply by)
+    assert model(tiny_checkpoint, torch.bfloat16, rows=0).quantized_projections == 0
     f32 = load_checkpoint(str(tiny_q4_1), torch.float32, tmp_path)
-    assert model(f32, torch.float32).int4_projections == 0
+    assert model(f32, torch.float32).quantized_projections == 0
     hf = load_checkpoint(str(tiny_llama_dir), torch.bfloat16)  # safetensors: nothing to take blocks from
-    assert model(hf, torch.bfloat16).int4_projections == 0
+    assert model(hf, torch.bfloat16).quantized_projections == 0
 
 
 def _agreement(run, reference) -> tuple[int, float]:
@@ -158,7 +160,7 @@ def test_default_model_with_int4_is_as_faithful_as_bfloat16(isoserve_cache):
                           "int4": {"dtype": "bfloat16"},
                           "bfloat16": {"dtype": "bfloat16", "int4_max_rows": 0}}.items():
         llm = LLM(cache_dir=str(isoserve_cache), **options)
-        assert (llm.engine.model.int4_projections > 0) == (name == "int4")
+        assert (llm.engine.model.quantized_projections > 0) == (name == "int4")
         runs[name] = [llm.generate([p], params)[0] for p in prompts]
         runs[name + " together"] = llm.generate(prompts, params)
     bf16 = [_agreement(r, ref) for r, ref in zip(runs["bfloat16"], runs["float32"])]

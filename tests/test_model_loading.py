@@ -14,7 +14,8 @@ import torch
 from safetensors.torch import load_file, save_file
 from transformers import AutoModelForCausalLM
 
-from isoserve.model import int4
+from isoserve.model import int4, q8_0
+from isoserve.model.quantized import COMPANION_SUFFIXES
 from isoserve.model.loader import default_cache_dir, load_checkpoint
 from isoserve.model.registry import DEFAULT_MODEL, resolve_model
 from tiny_models import make_tiny_gguf, make_tiny_llama
@@ -88,7 +89,7 @@ def test_smollm2_config_matches_known_facts(smollm2):
 
 
 def _parameters(weights: dict) -> dict:
-    return {n: w for n, w in weights.items() if not n.endswith(int4.COMPANIONS)}
+    return {n: w for n, w in weights.items() if not n.endswith(COMPANION_SUFFIXES)}
 
 
 def test_weights_have_hf_names_and_requested_dtype(smollm2):
@@ -110,6 +111,17 @@ def test_q4_1_projections_keep_their_blocks_and_they_give_the_same_weights(smoll
     for name in projections:
         assert int4.has_companions(weights, name), name
         assert torch.equal(int4.dequantize(weights, name), weights[name]), name
+
+
+def test_the_q8_0_embedding_keeps_its_blocks_and_they_give_the_same_weights(smollm2):
+    # The embedding (also the LM head: tied) is Q8_0 in the file: its companions are the file's
+    # int8 codes and float16 d, and d * q is the dequantized embedding bit for bit.
+    weights = smollm2[0].weights
+    name = "model.embed_tokens.weight"
+    assert q8_0.has_companions(weights, name)
+    assert weights[name + q8_0.CODES].dtype == torch.int8 and weights[name + q8_0.SCALE].dtype == torch.float16
+    assert torch.equal(q8_0.dequantize(weights, name), weights[name])
+    assert [n for n in weights if n.endswith(q8_0.COMPANIONS)] == [name + s for s in q8_0.COMPANIONS]
 
 
 def test_second_load_is_served_from_cache_with_identical_tensors(smollm2):
@@ -154,7 +166,7 @@ def test_bfloat16_is_cached_separately_and_matches_float32(smollm2, cache_dir):
     second = load_checkpoint(DEFAULT_MODEL, torch.bfloat16, cache_dir)
     assert not first.from_cache and second.from_cache
     for name, tensor in smollm2[0].weights.items():
-        if name.endswith(int4.COMPANIONS):  # the file's blocks, whatever the compute dtype
+        if name.endswith(COMPANION_SUFFIXES):  # the file's blocks, whatever the compute dtype
             assert torch.equal(first.weights[name], tensor), name
         else:
             assert first.weights[name].dtype == torch.bfloat16

@@ -25,7 +25,7 @@ import time
 import torch
 
 from isoserve.bench.machine import layers_note, run_header
-from isoserve.model import int4
+from isoserve.model.quantized import COMPANION_SUFFIXES
 
 SQUARE = 2048          # the large square matmul (n x n @ n x n)
 MATMUL_SECONDS = 0.2   # each shape is timed for at least this long
@@ -75,9 +75,9 @@ def measure_bandwidth(nbytes: int, repeats: int = BANDWIDTH_REPEATS) -> dict:
 
 def model_costs(config, weights: dict[str, torch.Tensor], dtype: torch.dtype) -> dict:
     """Parameters a decode step multiplies by and the weight bytes it reads, from a checkpoint,
-    in `dtype`: the floor of a step that reads every weight in that dtype. (The int4 path of
-    small steps reads the Q4_1 companions instead, which are left out here.)"""
-    weights = {n: t for n, t in weights.items() if not n.endswith(int4.COMPANIONS)}
+    in `dtype`: the floor of a step that reads every weight in that dtype. (The quantized paths
+    read the GGUF's blocks instead, which are left out here; see weight_bytes_read.)"""
+    weights = {n: t for n, t in weights.items() if not n.endswith(COMPANION_SUFFIXES)}
     elem = torch.empty((), dtype=dtype).element_size()
     embed = weights["model.embed_tokens.weight"].numel()
     matmul = sum(t.numel() for name, t in weights.items() if t.dim() == 2 and name != "model.embed_tokens.weight")

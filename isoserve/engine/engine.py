@@ -81,15 +81,15 @@ class Engine:
         self._arrivals = itertools.count()
         self._pending_outputs: list[RequestOutput] = []
         log.info("engine ready: model=%s dtype=%s device=%s pool=%d pages x %d tokens = %d tokens "
-                 "(%.1f MiB) context=%d int4=%s layers=%s (%.1fs)", self.model_name, config.dtype, config.device,
+                 "(%.1f MiB) context=%d quantized=%s layers=%s (%.1fs)", self.model_name, config.dtype, config.device,
                  num_pages, config.page_size, self.pool.capacity_tokens, self.pool.nbytes / 2**20,
-                 self.context_length, self._int4_summary(), self._ops_summary(),
+                 self.context_length, self._quantized_summary(), self._ops_summary(),
                  time.perf_counter() - t0)
 
-    def _int4_summary(self) -> str:
-        if not self.model.int4_projections:
+    def _quantized_summary(self) -> str:
+        if not self.model.quantized_projections:
             return "off"
-        return "; ".join(f"{n} projections: {path}" for path, n in self.model.int4_paths.items())
+        return "; ".join(f"{n} x {path}" for path, n in self.model.quantized_paths.items())
 
     def _ops_summary(self) -> str:
         note = self.model.ops_note

@@ -1,24 +1,28 @@
-// y = x W^T for a GGUF's Q4_1 weights on AMX: each 16 x 32 block of W is widened to bfloat16 in
-// vector registers and multiplied by the AMX tile unit, so a decode step reads 5 bits per
-// weight instead of bfloat16's 16 and never writes a dequantized copy to memory.
+// y = x W^T for a GGUF's Q4_1 or Q8_0 weights on AMX: each 16 x 32 block of W is widened to
+// bfloat16 in vector registers and multiplied by the AMX tile unit, so a decode step reads 5
+// (Q4_1) or 8.5 (Q8_0) bits per weight instead of bfloat16's 16 and never writes a dequantized
+// copy to memory.
 //
 // Why: a decode step of up to a few dozen sequences is bound by reading the weights. oneDNN's
-// bfloat16 matmul on the prepacked weight runs near the memory bandwidth, so only fewer bytes
-// make it faster; torch's int4 CPU kernel reads those fewer bytes but multiplies on the vector
-// units and is slower than bfloat16 from ~5 rows on (docs/benchmarks.md).
+// bfloat16 matmul on the prepacked weight runs near the memory bandwidth at those sizes, so only
+// fewer bytes make it faster; torch's int4 CPU kernel reads fewer bytes but multiplies on the
+// vector units and is slower than bfloat16 from ~5 rows on (docs/benchmarks.md).
 //
-// Exactness: a weight is bf16(d * q + m) computed in float32, as gguf-py's dequantizer (float32
-// d * q, plus m) and the loader's rounding to bfloat16 make it. d is a float16 and q < 16, so
-// d * q is exact in float32 and one fused multiply-add rounds the same as the two steps. The
-// tile unit then sees the very bfloat16 weights the bfloat16 path multiplies by.
+// Exactness: a weight is bf16(d * q + m) (Q4_1) or bf16(d * q) (Q8_0) computed in float32, as
+// gguf-py's dequantizer and the loader's rounding to bfloat16 make it. d is a float16 and q has
+// at most 8 bits, so d * q is exact in float32 and one fused multiply-add rounds the same as the
+// two steps. The tile unit then sees the very bfloat16 weights the bfloat16 path multiplies by.
 //
-// Block layout (model/int4.py builds it; both sides must agree): W [N, K] is cut into blocks of
+// Block layout (model/amx.py builds it; both sides must agree): W [N, K] is cut into blocks of
 // 16 output rows x 32 inputs, ordered by pairs of row blocks (32 outputs), then by input block,
-// then the two row blocks of the pair. A block is kQ4Block bytes: 16 lines of 16 code bytes,
-// then its 16 d and 16 m as float16. Line r holds inputs 2r and 2r + 1: byte i's low nibble is
-// output row i / 2, input 2r + i % 2; its high nibble output row 8 + i / 2, the same input. That
-// is the order of an AMX B tile line (16 outputs x a pair of inputs) split in two halves, so
-// each line widens to one tile line with no shuffle.
+// then the two row blocks of the pair. Line r of a block holds inputs 2r and 2r + 1 of its 16
+// rows in two halves, rows 0-7 and rows 8-15; within a half, position i is row i / 2 at input
+// 2r + i % 2. That is the order of an AMX B tile line (16 outputs x a pair of inputs) cut in
+// two, so each line widens to one tile line with no shuffle.
+//   Q4_1 block (320 bytes): 16 lines of 16 bytes (low nibbles: the low half, high nibbles: the
+//     high half), then 16 d and 16 m as float16.
+//   Q8_0 block (544 bytes): 16 lines of 32 int8 codes (the low half, then the high half), then
+//     16 d as float16.
 #include <torch/extension.h>
 #include <ATen/Parallel.h>
 
@@ -32,7 +36,6 @@
 
 namespace {
 
-constexpr int64_t kQ4Block = 320;      // 256 code bytes + 16 float16 d + 16 float16 m
 constexpr int64_t kTileLine = 64;      // bytes per tile line: 32 bfloat16 or 16 float32
 constexpr int64_t kRowsPerChunk = 32;  // x rows per pass: two 16-row A tiles
 
@@ -76,27 +79,56 @@ ISOSERVE_AMX void configure_tiles(int rows0, int rows1) {
   _tile_loadconfig(&cfg);
 }
 
-// One block's codes -> its 16 x 32 bfloat16 weights as a B tile (16 lines of 64 bytes).
-ISOSERVE_AMX inline void widen_block(const uint8_t* block, uint16_t* tile) {
-  const __m512 d = _mm512_cvtph_ps(_mm256_loadu_si256(reinterpret_cast<const __m256i*>(block + 256)));
-  const __m512 m = _mm512_cvtph_ps(_mm256_loadu_si256(reinterpret_cast<const __m256i*>(block + 288)));
-  // Lane i of a line's low half is output row i / 2, of its high half 8 + i / 2.
-  const __m512i low_rows = _mm512_set_epi32(7, 7, 6, 6, 5, 5, 4, 4, 3, 3, 2, 2, 1, 1, 0, 0);
-  const __m512i high_rows = _mm512_set_epi32(15, 15, 14, 14, 13, 13, 12, 12, 11, 11, 10, 10, 9, 9, 8, 8);
-  const __m512 d_low = _mm512_permutexvar_ps(low_rows, d), d_high = _mm512_permutexvar_ps(high_rows, d);
-  const __m512 m_low = _mm512_permutexvar_ps(low_rows, m), m_high = _mm512_permutexvar_ps(high_rows, m);
-  const __m512i nibble = _mm512_set1_epi32(15);
-  for (int line = 0; line < 16; ++line) {
-    const __m512i codes = _mm512_cvtepu8_epi32(_mm_loadu_si128(reinterpret_cast<const __m128i*>(block + 16 * line)));
-    const __m512 low = _mm512_fmadd_ps(_mm512_cvtepi32_ps(_mm512_and_si512(codes, nibble)), d_low, m_low);
-    const __m512 high = _mm512_fmadd_ps(_mm512_cvtepi32_ps(_mm512_srli_epi32(codes, 4)), d_high, m_high);
-    _mm512_store_si512(reinterpret_cast<__m512i*>(tile + 32 * line),
-                       reinterpret_cast<__m512i>(_mm512_cvtne2ps_pbh(high, low)));
-  }
+// Lane i of a line's low half is output row i / 2 of the block, of its high half 8 + i / 2.
+ISOSERVE_AMX inline void per_half(const uint8_t* halves, __m512& low, __m512& high) {
+  const __m512 v = _mm512_cvtph_ps(_mm256_loadu_si256(reinterpret_cast<const __m256i*>(halves)));
+  low = _mm512_permutexvar_ps(_mm512_set_epi32(7, 7, 6, 6, 5, 5, 4, 4, 3, 3, 2, 2, 1, 1, 0, 0), v);
+  high = _mm512_permutexvar_ps(_mm512_set_epi32(15, 15, 14, 14, 13, 13, 12, 12, 11, 11, 10, 10, 9, 9, 8, 8), v);
 }
 
+ISOSERVE_AMX inline void store_line(uint16_t* tile_line, __m512 low, __m512 high) {
+  _mm512_store_si512(reinterpret_cast<__m512i*>(tile_line),
+                     reinterpret_cast<__m512i>(_mm512_cvtne2ps_pbh(high, low)));
+}
+
+// Each format widens one block's codes to its 16 x 32 bfloat16 weights as a B tile
+// (16 lines of 64 bytes).
+struct Q4_1 {
+  static constexpr int64_t kBlockBytes = 320;
+  static constexpr const char* kName = "q4_1_linear";
+  ISOSERVE_AMX static inline void widen(const uint8_t* block, uint16_t* tile) {
+    __m512 d_low, d_high, m_low, m_high;
+    per_half(block + 256, d_low, d_high);
+    per_half(block + 288, m_low, m_high);
+    const __m512i nibble = _mm512_set1_epi32(15);
+    for (int line = 0; line < 16; ++line) {
+      const __m512i codes = _mm512_cvtepu8_epi32(_mm_loadu_si128(reinterpret_cast<const __m128i*>(block + 16 * line)));
+      const __m512 low = _mm512_fmadd_ps(_mm512_cvtepi32_ps(_mm512_and_si512(codes, nibble)), d_low, m_low);
+      const __m512 high = _mm512_fmadd_ps(_mm512_cvtepi32_ps(_mm512_srli_epi32(codes, 4)), d_high, m_high);
+      store_line(tile + 32 * line, low, high);
+    }
+  }
+};
+
+struct Q8_0 {
+  static constexpr int64_t kBlockBytes = 544;
+  static constexpr const char* kName = "q8_0_linear";
+  ISOSERVE_AMX static inline void widen(const uint8_t* block, uint16_t* tile) {
+    __m512 d_low, d_high;
+    per_half(block + 512, d_low, d_high);
+    for (int line = 0; line < 16; ++line) {
+      const uint8_t* codes = block + 32 * line;
+      const __m512i low = _mm512_cvtepi8_epi32(_mm_loadu_si128(reinterpret_cast<const __m128i*>(codes)));
+      const __m512i high = _mm512_cvtepi8_epi32(_mm_loadu_si128(reinterpret_cast<const __m128i*>(codes + 16)));
+      store_line(tile + 32 * line, _mm512_mul_ps(_mm512_cvtepi32_ps(low), d_low),
+                 _mm512_mul_ps(_mm512_cvtepi32_ps(high), d_high));
+    }
+  }
+};
+
 // Output columns [32 * pair_begin, 32 * pair_end) of y, for every row of x.
-ISOSERVE_AMX void q4_1_columns(const uint16_t* x, int64_t rows, int64_t K, const uint8_t* blocks,
+template <typename Format>
+ISOSERVE_AMX void linear_columns(const uint16_t* x, int64_t rows, int64_t K, const uint8_t* blocks,
                                uint16_t* y, int64_t N, int64_t pair_begin, int64_t pair_end) {
   const int64_t k_blocks = K / 32;
   const int64_t x_stride = K * 2;
@@ -114,7 +146,7 @@ ISOSERVE_AMX void q4_1_columns(const uint16_t* x, int64_t rows, int64_t K, const
     const uint16_t* x0 = x + m0 * K;
     const uint16_t* x1 = x0 + 16 * K;
     for (int64_t pair = pair_begin; pair < pair_end; ++pair) {
-      const uint8_t* pair_blocks = blocks + pair * k_blocks * 2 * kQ4Block;
+      const uint8_t* pair_blocks = blocks + pair * k_blocks * 2 * Format::kBlockBytes;
       _tile_zero(0);
       _tile_zero(1);
       _tile_zero(2);
@@ -122,8 +154,8 @@ ISOSERVE_AMX void q4_1_columns(const uint16_t* x, int64_t rows, int64_t K, const
       for (int64_t kb = 0; kb < k_blocks; ++kb) {
         uint16_t* b0 = b_tiles[kb & 1][0];
         uint16_t* b1 = b_tiles[kb & 1][1];
-        widen_block(pair_blocks + (2 * kb) * kQ4Block, b0);
-        widen_block(pair_blocks + (2 * kb + 1) * kQ4Block, b1);
+        Format::widen(pair_blocks + (2 * kb) * Format::kBlockBytes, b0);
+        Format::widen(pair_blocks + (2 * kb + 1) * Format::kBlockBytes, b1);
         _tile_loadd(6, b0, kTileLine);
         _tile_loadd(7, b1, kTileLine);
         _tile_loadd(4, x0 + 32 * kb, x_stride);
@@ -160,24 +192,38 @@ std::string amx_status() {
   return status;
 }
 
-torch::Tensor q4_1_linear(const torch::Tensor& x, const torch::Tensor& blocks, int64_t out_features) {
-  TORCH_CHECK(amx_status().empty(), "q4_1_linear needs AMX: ", amx_status());
+namespace {
+
+template <typename Format>
+torch::Tensor amx_linear(const torch::Tensor& x, const torch::Tensor& blocks, int64_t out_features) {
+  const char* name = Format::kName;
+  TORCH_CHECK(amx_status().empty(), name, " needs AMX: ", amx_status());
   TORCH_CHECK(x.device().is_cpu() && x.scalar_type() == at::kBFloat16 && x.is_contiguous() && x.dim() == 2,
-              "q4_1_linear takes x as a contiguous bfloat16 CPU tensor [rows, in_features]");
+              name, " takes x as a contiguous bfloat16 CPU tensor [rows, in_features]");
   TORCH_CHECK(blocks.device().is_cpu() && blocks.scalar_type() == at::kByte && blocks.is_contiguous(),
-              "q4_1_linear takes the weight blocks as a contiguous uint8 CPU tensor");
+              name, " takes the weight blocks as a contiguous uint8 CPU tensor");
   const int64_t rows = x.size(0), K = x.size(1), N = out_features;
   TORCH_CHECK(K > 0 && K % 32 == 0 && N > 0 && N % 32 == 0,
-              "q4_1_linear needs in and out features that are multiples of 32, got ", K, " and ", N);
-  TORCH_CHECK(blocks.numel() == (N / 16) * (K / 32) * kQ4Block,
-              "q4_1_linear: ", blocks.numel(), " bytes of blocks do not make a [", N, ", ", K, "] weight");
+              name, " needs in and out features that are multiples of 32, got ", K, " and ", N);
+  TORCH_CHECK(blocks.numel() == (N / 16) * (K / 32) * Format::kBlockBytes,
+              name, ": ", blocks.numel(), " bytes of blocks do not make a [", N, ", ", K, "] weight");
   auto y = torch::empty({rows, N}, x.options());
   if (rows == 0) return y;
   const auto* xp = reinterpret_cast<const uint16_t*>(x.data_ptr<at::BFloat16>());
   auto* yp = reinterpret_cast<uint16_t*>(y.data_ptr<at::BFloat16>());
   const uint8_t* bp = blocks.data_ptr<uint8_t>();
   at::parallel_for(0, N / 32, 1, [&](int64_t begin, int64_t end) {
-    q4_1_columns(xp, rows, K, bp, yp, N, begin, end);
+    linear_columns<Format>(xp, rows, K, bp, yp, N, begin, end);
   });
   return y;
+}
+
+}  // namespace
+
+torch::Tensor q4_1_linear(const torch::Tensor& x, const torch::Tensor& blocks, int64_t out_features) {
+  return amx_linear<Q4_1>(x, blocks, out_features);
+}
+
+torch::Tensor q8_0_linear(const torch::Tensor& x, const torch::Tensor& blocks, int64_t out_features) {
+  return amx_linear<Q8_0>(x, blocks, out_features);
 }

@@ -625,6 +625,7 @@ std::vector<std::pair<int64_t, int64_t>> check_reads(
 // amx_matmul.cpp
 std::string amx_status();
 torch::Tensor q4_1_linear(const torch::Tensor& x, const torch::Tensor& blocks, int64_t out_features);
+torch::Tensor q8_0_linear(const torch::Tensor& x, const torch::Tensor& blocks, int64_t out_features);
 
 PYBIND11_MODULE(TORCH_EXTENSION_NAME, m) {
   m.def("rms_norm", &rms_norm, "RMSNorm of [rows, n] rows");
@@ -638,6 +639,8 @@ PYBIND11_MODULE(TORCH_EXTENSION_NAME, m) {
   m.def("argmax_rows", &argmax_rows, "each row's first index of its maximum, as torch.argmax");
   m.def("check_reads", &check_reads, "the read guard: (sequence, page index) pairs that fail");
   m.def("amx_status", &amx_status, "'' when q4_1_linear can run on this machine, else why not");
-  m.def("q4_1_linear", &q4_1_linear, "x W^T for Q4_1 weight blocks (model/int4.py), on AMX",
+  m.def("q4_1_linear", &q4_1_linear, "x W^T for Q4_1 weight blocks (model/amx.py), on AMX",
+        py::arg("x"), py::arg("blocks"), py::arg("out_features"));
+  m.def("q8_0_linear", &q8_0_linear, "x W^T for Q8_0 weight blocks (model/amx.py), on AMX",
         py::arg("x"), py::arg("blocks"), py::arg("out_features"));
 }

@@ -13,7 +13,7 @@ from gguf import GGMLQuantizationType, GGUFReader
 from gguf.quants import dequantize
 from tqdm import tqdm
 
-from isoserve.model import int4
+from isoserve.model import int4, q8_0
 from isoserve.model.config import ModelConfig
 
 SUPPORTED_ARCHITECTURES = ("llama", "qwen2")
@@ -39,10 +39,14 @@ _LAYER_TENSORS = {  # blk.{i}.<key>.{weight,bias} -> model.layers.{i}.<value>.{w
     "ffn_down": "mlp.down_proj",
 }
 _REQUIRED = object()
+# Q8_0 tensors whose blocks the model multiplies by (the LM head, which a tied model takes from
+# the embedding); other Q8_0 tensors are only dequantized.
+_Q8_0_KEPT = ("model.embed_tokens.weight", "lm_head.weight")
 
 
 def read_gguf(path: Path, dtype: torch.dtype) -> tuple[ModelConfig, dict[str, torch.Tensor]]:
-    """Dequantized weights in `dtype`; a Q4_1 projection also keeps its blocks as int4 companions."""
+    """Dequantized weights in `dtype`; a Q4_1 projection also keeps its blocks as int4 companions,
+    and a Q8_0 embedding or LM head its blocks as Q8_0 companions (model/q8_0.py)."""
     reader = GGUFReader(path)
     config = _read_config(reader)
     weights = {}
@@ -53,6 +57,10 @@ def read_gguf(path: Path, dtype: torch.dtype) -> tuple[ModelConfig, dict[str, to
             rows, cols = tensors[name].shape
             parts = int4.split_q4_1(tensor.data, rows, cols)
             tensors |= {name + suffix: part for suffix, part in zip(int4.COMPANIONS, parts)}
+        elif tensor.tensor_type == GGMLQuantizationType.Q8_0 and name in _Q8_0_KEPT:
+            rows, cols = tensors[name].shape
+            parts = q8_0.split_q8_0(tensor.data, rows, cols)
+            tensors |= {name + suffix: part for suffix, part in zip(q8_0.COMPANIONS, parts)}
         for key, value in tensors.items():
             weights[key] = _hf_row_order(config, name, value)
     return config, weights

@@ -13,9 +13,10 @@ import torch.nn.functional as F
 
 from isoserve.kv.pool import KVPool
 from isoserve.model.config import ModelConfig
-from isoserve.model.int4 import COMPANIONS, has_companions, q4_tiers
+from isoserve.model import int4, q8_0
 from isoserve.model.layer_ops import select_ops
 from isoserve.model.projection import Projection
+from isoserve.model.quantized import q4_tiers, q8_tiers
 from isoserve.model.paged_attention import StepAttention, paged_attention
 from isoserve.model.rope import RotaryEmbedding
 
@@ -34,9 +35,9 @@ class LlamaModel:
     def __init__(self, cfg: ModelConfig, weights: dict[str, torch.Tensor], dtype: torch.dtype,
                  device: torch.device | str = "cpu", max_positions: int | None = None,
                  int4_max_rows: int | None = None, fused_kernels: bool = True):
-        """int4_max_rows: steps of at most this many tokens multiply by the int4 companions of
-        Q4_1 weights (model/int4.py), where the checkpoint has them; bfloat16 on CPU only.
-        None: the defaults of the 4-bit kernels this machine runs (model/int4.py: q4_tiers).
+        """int4_max_rows: steps of at most this many tokens multiply by the companions of Q4_1
+        projections (and, on AMX, of a Q8_0 LM head) where the checkpoint has them; bfloat16 on
+        CPU only. None: the defaults of the kernels this machine runs (model/quantized.py).
         fused_kernels: run the work between matmuls as fused CPU kernels where they apply
         (model/layer_ops.py, and the AMX matmul); `self.ops_note` says why not otherwise."""
         self.cfg = cfg
@@ -45,7 +46,7 @@ class LlamaModel:
         self.ops, self.ops_note = select_ops(self.device, dtype, fused_kernels)
         if self.device.type != "cpu":
             int4_max_rows = 0
-        self.int4_paths: Counter[str] = Counter()  # 4-bit kernels and their row limits: projections
+        self.quantized_paths: Counter[str] = Counter()  # kernels and their row limits: projections
 
         def w(name: str) -> torch.Tensor:
             if name not in weights:
@@ -56,16 +57,20 @@ class LlamaModel:
             """One matmul for the projections in `names`, stacked by output rows."""
             full = torch.cat([w(n) for n in names]).contiguous()
             tiers = []
-            if all(has_companions(weights, n) for n in names):
-                tiers = q4_tiers([tuple(weights[n + s] for s in COMPANIONS) for n in names],
+            if all(int4.has_companions(weights, n) for n in names):
+                tiers = q4_tiers([tuple(weights[n + s] for s in int4.COMPANIONS) for n in names],
                                  dtype, self.ops.kernels, int4_max_rows)
-            if tiers:
-                self.int4_paths[", ".join(f"{q4.name} for steps of <= {rows} tokens" for rows, q4 in tiers)] += 1
-            return Projection(full, bias, tiers)
+            return self._projection(full, bias, tiers)
 
         self.embed = w("model.embed_tokens.weight")
         self.final_norm = w("model.norm.weight")
-        self.lm_head = Projection(self.embed if cfg.tie_word_embeddings else w("lm_head.weight"))
+        head = "model.embed_tokens.weight" if cfg.tie_word_embeddings else "lm_head.weight"
+        head_tiers = []
+        if q8_0.has_companions(weights, head):
+            head_tiers = q8_tiers(weights[head + q8_0.CODES], weights[head + q8_0.SCALE], dtype,
+                                  self.ops.kernels, int4_max_rows)
+        self.lm_head = self._projection(self.embed if cfg.tie_word_embeddings else w(head), None, head_tiers,
+                                        "LM head ")
         self.layers = []
         for i in range(cfg.num_layers):
             p = f"model.layers.{i}."
@@ -81,10 +86,16 @@ class LlamaModel:
                 gate_up=projection([p + "mlp.gate_proj.weight", p + "mlp.up_proj.weight"]),
                 down=projection([p + "mlp.down_proj.weight"]),
             ))
-        self.int4_projections = sum(self.int4_paths.values())
+        self.quantized_projections = sum(self.quantized_paths.values())
         self.rope = RotaryEmbedding(cfg, max_positions or cfg.max_position_embeddings, dtype, self.device)
         self.scale = cfg.head_dim ** -0.5
         self._q_size = cfg.num_heads * cfg.head_dim
+
+    def _projection(self, weight: torch.Tensor, bias: torch.Tensor | None, tiers: list, what: str = "") -> Projection:
+        if tiers:
+            ways = ", ".join(f"{q.name} for steps of <= {rows} tokens" for rows, q in tiers)
+            self.quantized_paths[what + ways] += 1
+        return Projection(weight, bias, tiers)
 
     @torch.inference_mode()
     def forward(self, token_ids: torch.Tensor, positions: torch.Tensor, attn: StepAttention,

@@ -20,7 +20,7 @@ from safetensors.torch import load_file, save_file
 from transformers import PreTrainedTokenizerFast
 
 from isoserve.config import default_cache_dir
-from isoserve.model import int4
+from isoserve.model import int4, q8_0
 from isoserve.model.config import ModelConfig
 from isoserve.model.gguf_loader import read_gguf
 from isoserve.model.hf_loader import read_hf_checkpoint
@@ -30,7 +30,7 @@ from isoserve.model.tokenizer import load_tokenizer
 log = logging.getLogger("isoserve.model")
 
 # Part of every cache key: bump it when the conversion changes so old entries are never read.
-CACHE_FORMAT = 2  # 2: Q4_1 projections keep int4 companions
+CACHE_FORMAT = 3  # 2: Q4_1 projections keep int4 companions; 3: a Q8_0 LM head its Q8_0 companions
 # A temp folder this old was left by a crashed writer (a conversion takes seconds).
 _STALE_TEMP_SECONDS = 3600
 
@@ -41,7 +41,8 @@ class Checkpoint:
     source: ModelSource
     config: ModelConfig
     weights: dict[str, torch.Tensor]  # Hugging Face Llama names; no lm_head when tied; int4
-                                      # companions (model/int4.py) of a GGUF's Q4_1 projections
+                                      # companions (model/int4.py) of a GGUF's Q4_1 projections,
+                                      # Q8_0 ones (model/q8_0.py) of its Q8_0 embedding/LM head
     tokenizer: PreTrainedTokenizerFast
     from_cache: bool = False  # True when a GGUF's converted weights came from the cache
 
@@ -122,6 +123,8 @@ def _check_weights(config: ModelConfig, weights: dict[str, torch.Tensor]) -> Non
     for name, shape in list(expected.items()):
         if ".layers." in name and len(shape) == 2 and any(name + s in weights for s in int4.COMPANIONS):
             expected |= {name + suffix: s for suffix, s in int4.companion_shapes(*shape).items()}
+        if ".layers." not in name and len(shape) == 2 and any(name + s in weights for s in q8_0.COMPANIONS):
+            expected |= {name + suffix: s for suffix, s in q8_0.companion_shapes(*shape).items()}
     problems = [f"missing {n}" for n in expected if n not in weights]
     problems += [f"unexpected {n}" for n in weights if n not in expected]
     problems += [f"{n} has shape {tuple(weights[n].shape)}, expected {shape}"

@@ -2,10 +2,10 @@
 
 The ways are decided at load time and were measured on this project's 2-core CPUs
 (`docs/benchmarks.md`):
-  - 4-bit tiers (model/int4.py): a step of at most a tier's rows multiplies by the GGUF's own
-    Q4_1 blocks, a third of bfloat16's bytes; a decode step is bound by reading weights. Where
-    the CPU has AMX: torch's int4 kernel up to 2 rows, isoserve's AMX kernel up to 32; elsewhere
-    torch's int4 kernel up to 4 rows.
+  - quantized tiers (model/quantized.py): a step of at most a tier's rows multiplies by the
+    GGUF's own Q4_1 (or, for the LM head, Q8_0) blocks, a third (a half) of bfloat16's bytes; a
+    decode step is bound by reading weights. Where the CPU has AMX: torch's int4 kernel up to 2
+    rows, isoserve's AMX kernels up to 32; elsewhere torch's int4 kernel up to 4 rows.
   - every other step multiplies by the weight in oneDNN's blocked layout, reordered once here.
     torch's F.linear hands oneDNN the plain [out, in] weight and it re-blocks it on every call;
     prepacked, the default model's projections took two-thirds of the time at 32 rows and
@@ -18,12 +18,9 @@ from __future__ import annotations
 import torch
 import torch.nn.functional as F
 
-from isoserve.model.int4 import AmxQ4Weight, Int4Weight
+from isoserve.model.quantized import Tier
 
 _ONEDNN_DTYPES = (torch.bfloat16, torch.float32)
-
-
-Tier = tuple[int, AmxQ4Weight | Int4Weight]  # (most rows it takes, the 4-bit weight)
 
 
 class Projection:

@@ -1,0 +1,53 @@
+"""Which of a GGUF's own quantized forms a Projection multiplies by, and up to how many rows.
+
+Measured on this project's 2-core CPUs (docs/benchmarks.md), a step of R rows is fastest:
+  - with AMX (model/amx.py): torch's int4 kernel for R <= 2 (the AMX kernel's time goes into
+    widening the blocks, which one or two rows do not pay back), the AMX Q4_1 kernel up to 32;
+    the LM head by its Q8_0 blocks on AMX up to 32;
+  - without AMX: torch's int4 kernel up to 4 (model/int4.py), the LM head in bfloat16;
+  - above those, the prepacked bfloat16 weight (model/projection.py).
+`max_rows` (the engine's int4_max_rows) replaces the top limit; 0 turns the quantized forms off.
+"""
+from __future__ import annotations
+
+import torch
+
+from isoserve.model import q8_0
+from isoserve.model.amx import AmxQ4Weight, AmxQ8Weight, amx_unavailable
+from isoserve.model.int4 import COMPANIONS as Q4_1_COMPANIONS, Int4Weight
+
+# Names ending so are a GGUF's blocks kept beside a weight, not parameters of the model.
+COMPANION_SUFFIXES = Q4_1_COMPANIONS + q8_0.COMPANIONS
+
+AMX_DEFAULT_MAX_ROWS = 32    # up to here AMX beat the prepacked bfloat16 matmul
+TORCH_DEFAULT_MAX_ROWS = 4   # from 5 rows on, bfloat16 beat torch's int4 kernel
+TORCH_ON_AMX_MAX_ROWS = 2    # and up to here it beat the AMX kernel
+
+Tier = tuple[int, AmxQ4Weight | AmxQ8Weight | Int4Weight]  # (most rows it takes, the weight)
+
+
+def q4_tiers(parts: list[tuple[torch.Tensor, torch.Tensor, torch.Tensor]], dtype: torch.dtype,
+             kernels=None, max_rows: int | None = None) -> list[Tier]:
+    """A projection's tiers from its Q4_1 (codes, d, m) parts; [] where none applies."""
+    if max_rows == 0 or dtype != torch.bfloat16:
+        return []
+    torch_int4 = Int4Weight.from_companions(parts, dtype)
+    amx = AmxQ4Weight.from_companions(parts, kernels) if amx_unavailable(kernels) == "" else None
+    if amx is None:
+        rows = TORCH_DEFAULT_MAX_ROWS if max_rows is None else max_rows
+        return [(rows, torch_int4)] if torch_int4 is not None else []
+    rows = AMX_DEFAULT_MAX_ROWS if max_rows is None else max_rows
+    if torch_int4 is None:
+        return [(rows, amx)]
+    if rows <= TORCH_ON_AMX_MAX_ROWS:
+        return [(rows, torch_int4)]
+    return [(TORCH_ON_AMX_MAX_ROWS, torch_int4), (rows, amx)]
+
+
+def q8_tiers(codes: torch.Tensor, d: torch.Tensor, dtype: torch.dtype, kernels=None,
+             max_rows: int | None = None) -> list[Tier]:
+    """The LM head's tiers from its Q8_0 codes and d: AMX only; [] elsewhere."""
+    if max_rows == 0 or dtype != torch.bfloat16 or amx_unavailable(kernels) != "":
+        return []
+    amx = AmxQ8Weight.from_companions(codes, d, kernels)
+    return [] if amx is None else [(AMX_DEFAULT_MAX_ROWS if max_rows is None else max_rows, amx)]
