@@ -455,9 +455,11 @@ def part_roofline(run: Run) -> str:
             f"prompts to exactly {p.output_tokens} tokens each, the median `engine.step()` over the "
             f"steps in which all B decode (scheduling, guard, forward, sampling and detokenizing "
             f"included). Read guard: its own time within those steps, the median per step, and "
-            f"its share of their total: what the guard costs a decode step. (With B <= "
-            f"`--int4-max-rows`, 4, the step reads the GGUF's 4-bit blocks, ~123 MB instead of the "
-            f"bf16 weights the floor counts.)\n\n" + md_table(roofline.HEADERS, [roofline.cells(r) for r in data["results"]]))
+            f"its share of their total: what the guard costs a decode step. The memory floor "
+            f"counts every weight in bf16, as issue 6 does; \"weights it reads\" are the forms "
+            f"the step takes at that batch (the GGUF's Q4_1 and Q8_0 blocks where a quantized "
+            f"tier covers it, model/quantized.py), and \"their floor\" is those bytes plus the KV "
+            f"over the bandwidth.\n\n" + md_table(roofline.HEADERS, [roofline.cells(r) for r in data["results"]]))
     return section("Roofline: ideal vs measured decode step (issue 6)", run, [run.show(cmd)], body)
 
 

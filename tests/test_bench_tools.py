@@ -38,9 +38,31 @@ def test_roofline_reports_every_field(tiny_llama_dir, tmp_path, capsys):
         assert row["ideal_s"] == max(row["memory_floor_s"], row["compute_floor_s"])
         assert row["isoserve"]["decode_steps"] >= 1
         assert row["isoserve"]["guard_seconds_median"] > 0 and 0 < row["isoserve"]["guard_share"] < 1
+        # A safetensors model has no GGUF blocks: the step reads every weight in bfloat16.
+        assert row["read_weight_bytes"] == row["weight_bytes"] and row["read_floor_s"] > 0
     one, two = data["results"]
     assert two["flops"] == pytest.approx(2 * one["flops"])  # FLOPs grow with the batch ...
     assert two["weight_bytes"] == one["weight_bytes"]        # ... the weights read do not
+
+
+def test_weight_bytes_read_follow_the_tiers(tiny_llama_dir, tmp_path):
+    # A Q4_1 file's projections are read as their 4-bit blocks where a tier takes the batch
+    # (5 bits a weight), and in bfloat16 above: the floor of what the step reads.
+    from isoserve.bench.roofline import model_costs, weight_bytes_read
+    from isoserve.model.llama import LlamaModel
+    from isoserve.model.loader import load_checkpoint
+    from tiny_models import make_tiny_gguf
+
+    gguf = make_tiny_gguf(tmp_path / "tiny-q4_1.gguf", tiny_llama_dir, q4_1=True)
+    ckpt = load_checkpoint(str(gguf), torch.bfloat16, tmp_path / "cache")
+    model = LlamaModel(ckpt.config, ckpt.weights, torch.bfloat16)
+    dense = model_costs(ckpt.config, ckpt.weights, torch.bfloat16)["weight_bytes"]
+    assert weight_bytes_read(model, 64) == dense  # no tier takes 64 rows
+    projection_params = sum(p.out_features * p.in_features for layer in model.layers
+                            for p in (layer.qkv, layer.o, layer.gate_up, layer.down))
+    head = model.lm_head.out_features * model.lm_head.in_features * 2  # the tiny file's head is F32
+    small = dense - 2 * projection_params - head
+    assert weight_bytes_read(model, 1) == pytest.approx(projection_params * 5 / 8 + head + small, rel=0.01)
 
 
 def test_build_llama_server_script_is_valid_bash():

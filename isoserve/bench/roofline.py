@@ -13,7 +13,9 @@ they imply for a model at each batch size, and isoserve's measured step against 
                   the steps in which every sequence decodes one token (no prefill in them)
 
 KV and attention are counted at the mean context of those steps (prompt + about half the
-output). The measured step is everything engine.step() does: scheduling, the guard, the
+output). That floor counts every weight in bfloat16, as the issue that set the target does; a
+second floor counts the weights the step actually reads, which are the GGUF's 4- or 8-bit
+blocks where a quantized tier takes the batch (model/quantized.py). The measured step is everything engine.step() does: scheduling, the guard, the
 forward, sampling and detokenization.
 """
 from __future__ import annotations
@@ -88,6 +90,15 @@ def model_costs(config, weights: dict[str, torch.Tensor], dtype: torch.dtype) ->
             "matmul_parameters": matmul, "weight_bytes": (matmul + small) * elem,
             "tied_embeddings": bool(config.tie_word_embeddings),
             "kv_bytes_per_token": config.kv_bytes_per_token(elem)}
+
+
+def weight_bytes_read(model, rows: int) -> int:
+    """Weight bytes a decode step of `rows` sequences reads: each projection's form for that many
+    rows (the GGUF's blocks where a quantized tier takes them, model/quantized.py; else the
+    bfloat16 weight), plus the norms."""
+    projections = [model.lm_head] + [p for layer in model.layers for p in (layer.qkv, layer.o, layer.gate_up, layer.down)]
+    norms = [model.final_norm] + [n for layer in model.layers for n in (layer.input_norm, layer.post_norm)]
+    return sum(p.bytes_read(rows) for p in projections) + sum(n.numel() * n.element_size() for n in norms)
 
 
 def step_costs(config, costs: dict, batch: int, context: float) -> tuple[float, float]:
@@ -222,12 +233,17 @@ def run_roofline(args) -> dict:
         ideal = max(memory_floor, compute_floor)
         measured = measure_decode_steps(engine, prompts[:batch], args.output_tokens)
         step = measured["step_seconds_median"]
+        kv_bytes = nbytes - costs["weight_bytes"]
+        read = weight_bytes_read(engine.model, batch)
+        read_floor = (read + kv_bytes) / bw["bytes_per_s"]
         row = {"batch": batch, "weight_bytes": costs["weight_bytes"],
-               "kv_bytes": nbytes - costs["weight_bytes"], "bytes": nbytes, "flops": flops,
+               "kv_bytes": kv_bytes, "bytes": nbytes, "flops": flops,
                "memory_floor_s": memory_floor, "compute_floor_s": compute_floor, "ideal_s": ideal,
                "bound": "memory" if memory_floor >= compute_floor else "compute",
                "measured_s": step, "measured_over_ideal": step / ideal,
                "measured_over_memory_floor": step / memory_floor,
+               "read_weight_bytes": read, "read_floor_s": read_floor,
+               "measured_over_read_floor": step / read_floor,
                "measured_tokens_per_s": batch / step, "ideal_tokens_per_s": batch / ideal,
                "isoserve": measured}
         rows.append(row)
@@ -241,7 +257,8 @@ def run_roofline(args) -> dict:
 
 
 HEADERS = ["batch", "weight MB", "KV MB", "GFLOP/step", "memory floor ms", "compute floor ms",
-           "ideal ms", "isoserve ms", "isoserve / ideal", "isoserve / memory floor", "read guard ms",
+           "ideal ms", "isoserve ms", "isoserve / ideal", "isoserve / memory floor",
+           "weights it reads MB", "their floor ms", "isoserve / their floor", "read guard ms",
            "read guard share"]
 
 
@@ -250,7 +267,8 @@ def cells(row: dict) -> list[str]:
             f"{row['flops'] / 1e9:.2f}", f"{row['memory_floor_s'] * 1e3:.2f}",
             f"{row['compute_floor_s'] * 1e3:.2f}", f"{row['ideal_s'] * 1e3:.2f}",
             f"{row['measured_s'] * 1e3:.2f}", f"{row['measured_over_ideal']:.2f}x",
-            f"{row['measured_over_memory_floor']:.2f}x",
+            f"{row['measured_over_memory_floor']:.2f}x", f"{row['read_weight_bytes'] / 1e6:.1f}",
+            f"{row['read_floor_s'] * 1e3:.2f}", f"{row['measured_over_read_floor']:.2f}x",
             f"{row['isoserve']['guard_seconds_median'] * 1e3:.3f}", f"{row['isoserve']['guard_share']:.2%}"]
 
 

@@ -82,6 +82,10 @@ class AmxQ4Weight:
         m = torch.cat([m for _, _, m in parts])
         return cls(q4_1_blocks(codes, d, m), codes.shape[0], kernels)
 
+    @property
+    def nbytes(self) -> int:
+        return self.blocks.numel()
+
     def matmul(self, x: torch.Tensor) -> torch.Tensor:
         """x [M, K] bfloat16 @ W^T -> [M, N]."""
         return self.kernels.q4_1_linear(x, self.blocks, self.out_features)
@@ -99,6 +103,10 @@ class AmxQ8Weight:
         if not _fits(*codes.shape):
             return None
         return cls(q8_0_blocks(codes, d), codes.shape[0], kernels)
+
+    @property
+    def nbytes(self) -> int:
+        return self.blocks.numel()
 
     def matmul(self, x: torch.Tensor) -> torch.Tensor:
         return self.kernels.q8_0_linear(x, self.blocks, self.out_features)

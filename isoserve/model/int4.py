@@ -75,6 +75,10 @@ class Int4Weight:
         return cls(torch._convert_weight_to_int4pack_for_cpu(codes.to(torch.int32).contiguous(), 1),
                    scale_zero)
 
+    @property
+    def nbytes(self) -> int:
+        return sum(t.numel() * t.element_size() for t in (self.packed, self.scale_zero))
+
     def matmul(self, x: torch.Tensor) -> torch.Tensor:
         """x [M, K] @ W^T -> [M, N]."""
         return torch._weight_int4pack_mm_for_cpu(x, self.packed, GROUP, self.scale_zero)

@@ -32,6 +32,14 @@ class Projection:
         self.packed = _onednn_packed(weight)
         self.weight = weight if self.packed is None else None  # the packed copy replaces it
 
+    def bytes_read(self, rows: int) -> int:
+        """Weight bytes a step of `rows` rows reads (bench/roofline: the floor of what it reads)."""
+        form = next((q4 for max_rows, q4 in self.tiers if rows <= max_rows), None)
+        if form is not None:
+            return form.nbytes
+        dense = self.packed if self.packed is not None else self.weight
+        return self.out_features * self.in_features * dense.element_size()
+
     def __call__(self, x: torch.Tensor) -> torch.Tensor:
         rows = x.shape[0]
         for max_rows, q4 in self.tiers:
