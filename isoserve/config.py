@@ -52,11 +52,11 @@ class EngineConfig:
     # the decodes sharing its step, which in disaggregated serving run on another worker.
     max_batched_tokens: int = 2048
     scrub_freed_pages: bool = False
-    # Steps of at most this many tokens use a GGUF's own Q4_1 blocks (bfloat16 on CPU; 0 turns
-    # it off; None: the default of the kernel that runs). Where the CPU has AMX, isoserve's AMX
-    # kernel multiplies by them, faster than prepacked bfloat16 up to 32 rows; elsewhere torch's
-    # int4 kernel, ~2.5x cheaper than bfloat16 for one sequence and slower from 5 rows on.
-    # See model/int4.py and model/projection.py.
+    # Steps of at most this many tokens use a GGUF's own Q4_1 blocks, and on AMX its Q8_0 LM
+    # head (bfloat16 on CPU; 0 turns it off; None: the defaults of the kernels that run). Where
+    # the CPU has AMX, isoserve's AMX kernels multiply by them, faster than prepacked bfloat16
+    # up to 32 rows; elsewhere torch's int4 kernel, ~2.5x cheaper than bfloat16 for one sequence
+    # and slower from 5 rows on. See model/quantized.py.
     int4_max_rows: int | None = None
     # Norms, RoPE + KV write, decode attention and SwiGLU as fused CPU kernels (isoserve/kernels)
     # where they build; torch ops otherwise. See model/layer_ops.py.

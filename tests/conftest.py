@@ -7,7 +7,9 @@ os.environ.setdefault("HF_HUB_OFFLINE", "1")  # before transformers reads it: ne
 
 import pytest
 
-from tiny_models import make_tiny_llama
+import torch
+
+from tiny_models import make_tiny_gguf, make_tiny_llama
 
 
 @pytest.fixture(scope="session")
@@ -20,3 +22,16 @@ def isoserve_cache(tmp_path_factory):
 def tiny_llama_dir(tmp_path_factory):
     """A tiny random-weight Llama (GQA: 4 query heads, 2 KV heads) with SmolLM2's tokenizer."""
     return make_tiny_llama(tmp_path_factory.mktemp("tiny-llama-engine"))
+
+
+@pytest.fixture(scope="session")
+def tiny_q4_1(tmp_path_factory, tiny_llama_dir):
+    """tiny_llama_dir written as a GGUF with Q4_1 projections, as llama.cpp's converter would."""
+    return make_tiny_gguf(tmp_path_factory.mktemp("tiny-q4") / "tiny-q4_1.gguf", tiny_llama_dir, q4_1=True)
+
+
+@pytest.fixture(scope="session")
+def tiny_checkpoint(tiny_q4_1, tmp_path_factory):
+    """tiny_q4_1 loaded in bfloat16: its weights with their Q4_1 companions."""
+    from isoserve.model.loader import load_checkpoint
+    return load_checkpoint(str(tiny_q4_1), torch.bfloat16, tmp_path_factory.mktemp("cache"))

@@ -16,7 +16,6 @@ from isoserve.engine.llm import LLM
 from isoserve.kernels import cpu_ops
 from isoserve.model import amx, int4, q8_0
 from isoserve.model.loader import load_checkpoint
-from tiny_models import make_tiny_gguf
 
 BF16_ULP = 2.0 ** -7
 FORMATS = ["q4_1", "q8_0"]
@@ -128,10 +127,9 @@ def test_products_are_as_exact_as_a_bfloat16_matmul(fmt, rows):
     torch.testing.assert_close(y.double() / scale, bf16_path / scale, rtol=2 * BF16_ULP, atol=1e-5)
 
 
-def test_the_tiny_model_file_weights_through_the_kernel(tmp_path, tiny_llama_dir):
+def test_the_tiny_model_file_weights_through_the_kernel(tiny_checkpoint):
     # The companions the loader takes from a real Q4_1 GGUF, merged as the model merges them.
-    path = make_tiny_gguf(tmp_path / "tiny-q4_1.gguf", tiny_llama_dir, q4_1=True)
-    weights = load_checkpoint(str(path), torch.bfloat16, tmp_path / "cache").weights
+    weights = tiny_checkpoint.weights
     names = [f"model.layers.1.self_attn.{p}_proj.weight" for p in "qkv"]
     qkv = amx.AmxQ4Weight.from_companions([tuple(weights[n + s] for s in int4.COMPANIONS) for n in names],
                                           cpu_ops())

@@ -45,16 +45,13 @@ def test_roofline_reports_every_field(tiny_llama_dir, tmp_path, capsys):
     assert two["weight_bytes"] == one["weight_bytes"]        # ... the weights read do not
 
 
-def test_weight_bytes_read_follow_the_tiers(tiny_llama_dir, tmp_path):
+def test_weight_bytes_read_follow_the_tiers(tiny_checkpoint):
     # A Q4_1 file's projections are read as their 4-bit blocks where a tier takes the batch
     # (5 bits a weight), and in bfloat16 above: the floor of what the step reads.
     from isoserve.bench.roofline import model_costs, weight_bytes_read
     from isoserve.model.llama import LlamaModel
-    from isoserve.model.loader import load_checkpoint
-    from tiny_models import make_tiny_gguf
 
-    gguf = make_tiny_gguf(tmp_path / "tiny-q4_1.gguf", tiny_llama_dir, q4_1=True)
-    ckpt = load_checkpoint(str(gguf), torch.bfloat16, tmp_path / "cache")
+    ckpt = tiny_checkpoint
     model = LlamaModel(ckpt.config, ckpt.weights, torch.bfloat16)
     dense = model_costs(ckpt.config, ckpt.weights, torch.bfloat16)["weight_bytes"]
     assert weight_bytes_read(model, 64) == dense  # no tier takes 64 rows

@@ -18,20 +18,9 @@ from isoserve.model.quantized import q4_tiers
 from isoserve.model.llama import LlamaModel
 from isoserve.model.projection import Projection
 from isoserve.model.loader import load_checkpoint
-from tiny_models import make_tiny_gguf
 
 PROJECTIONS = ("self_attn.q_proj", "self_attn.k_proj", "self_attn.v_proj", "self_attn.o_proj",
                "mlp.gate_proj", "mlp.up_proj", "mlp.down_proj")
-
-
-@pytest.fixture(scope="module")
-def tiny_q4_1(tmp_path_factory, tiny_llama_dir):
-    return make_tiny_gguf(tmp_path_factory.mktemp("tiny-q4") / "tiny-q4_1.gguf", tiny_llama_dir, q4_1=True)
-
-
-@pytest.fixture(scope="module")
-def tiny_checkpoint(tiny_q4_1, tmp_path_factory):
-    return load_checkpoint(str(tiny_q4_1), torch.bfloat16, tmp_path_factory.mktemp("cache"))
 
 
 def test_every_q4_1_projection_gets_companions_that_give_its_weights(tiny_q4_1, tmp_path):
