@@ -68,7 +68,7 @@ class Plan:
     llama_slots: int = 32
     llama_slot_context: int = 512   # tokens per llama.cpp slot: prompt + output fit with room
     prefill_tokens: int = 2000
-    prefill_repeats: int = 3
+    prefill_repeats: int = 5
     roofline_batches: str = "1,8,32"
     roofline_mib: int = 1024
 

@@ -85,3 +85,18 @@ def test_model_costs_count_parameters_not_their_quantized_companions(tiny_llama_
     for suffix, shape in q8_0.companion_shapes(*ckpt.weights[embed].shape).items():
         with_blocks[embed + suffix] = torch.zeros(shape, dtype=torch.int8)
     assert model_costs(ckpt.config, with_blocks, torch.bfloat16) == plain
+
+
+def test_prefill_times_each_engine_on_every_prompt(tiny_llama_dir, tmp_path, capsys):
+    out = tmp_path / "prefill.json"
+    rc = isoserve_main(["bench", "--prefill", "--model", str(tiny_llama_dir), "--prompt-tokens", "24",
+                        "--repeats", "3", "--peers", "transformers", "--json", str(out)])
+    assert rc == 0
+    assert "== prefill:" in capsys.readouterr().out
+    data = json.loads(out.read_text())
+    assert data["peers"] == ["isoserve", "transformers"]
+    for result in data["results"].values():
+        assert len(result["seconds"]) == 3 and all(s > 0 for s in result["seconds"])
+        assert result["tokens_per_s"] == pytest.approx(24 / result["median_seconds"])
+    assert data["ratios"]["isoserve/transformers"] == pytest.approx(
+        data["results"]["isoserve"]["tokens_per_s"] / data["results"]["transformers"]["tokens_per_s"])

@@ -7,7 +7,8 @@
                   n_predict=1, cache_prompt off; its own timings.prompt_ms
 
 Each peer is warmed up once, then timed --repeats times, each time on a different seeded prompt
-of exactly --prompt-tokens token ids (so no prefix cache can help); the median counts.
+of exactly --prompt-tokens token ids (so no prefix cache can help), the peers taking turns on
+each prompt; the median counts.
 """
 from __future__ import annotations
 
@@ -83,23 +84,29 @@ def run_prefill(args) -> dict:
             return timed["seconds"]
         peers["llama.cpp"] = llama
 
-    results = {}
+    # Round robin, the first engine rotating: this VM's speed drifts over minutes, and timing
+    # one engine's prompts after the other's would put the drift into the ratio.
     bar = tqdm(total=len(peers) * (args.repeats + 1), desc="prefill", unit="prompt")
     for name, timed in peers.items():
-        bar.set_postfix_str(name)
+        bar.set_postfix_str(f"{name} warm-up")
         timed(prompts[0])
         bar.update()
-        llama_wall.clear()
-        seconds = []
-        for prompt in prompts[1:]:
-            seconds.append(timed(prompt))
+    llama_wall.clear()
+    seconds = {name: [] for name in peers}
+    names = list(peers)
+    for i, prompt in enumerate(prompts[1:]):
+        for name in names[i % len(names):] + names[:i % len(names)]:
+            bar.set_postfix_str(name)
+            seconds[name].append(peers[name](prompt))
             bar.update()
-        median = statistics.median(seconds)
-        results[name] = {"seconds": seconds, "median_seconds": median, "tokens_per_s": n / median}
+    results = {}
+    for name in names:
+        median = statistics.median(seconds[name])
+        results[name] = {"seconds": seconds[name], "median_seconds": median, "tokens_per_s": n / median}
         if name == "llama.cpp":
             results[name]["wall_seconds"] = list(llama_wall)
         bar.write(f"{name:>12}: {n / median:8.1f} prompt tok/s ({median * 1e3:.1f} ms median of "
-                  f"{len(seconds)})")
+                  f"{len(seconds[name])})")
     bar.close()
     base = results["isoserve"]["tokens_per_s"]
     return {
