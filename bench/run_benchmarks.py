@@ -372,9 +372,10 @@ def part_llamacpp(run: Run) -> str | None:
     plot_runs([("isoserve disaggregated", i_s), ("llama.cpp llama-server", l_s)], plot,
               title=f"isoserve vs llama.cpp, {p.model}")
     body = (f"llama.cpp's native `llama-server` (built by `bench/build_llama_server.sh` from the "
-            f"PyPI sdist, AMX off) on the same model's GGUF (Q4_1, its own kernels; isoserve runs "
-            f"the weights dequantized to {p.dtype}, and by default the GGUF's own Q4_1 blocks for "
-            f"steps of at most 4 tokens), {p.llama_slots} slots with continuous batching "
+            f"PyPI sdist, AMX off) on the same model's GGUF (Q4_1 and a Q8_0 embedding, its own "
+            f"kernels; isoserve multiplies decode steps by the same blocks where its quantized "
+            f"tiers take the step, as its startup log's `quantized=` says, and by the weights "
+            f"dequantized to {p.dtype} otherwise), {p.llama_slots} slots with continuous batching "
             f"(`-np {p.llama_slots} -cb`), {p.llama_slot_context} tokens of context per slot, "
             f"2 threads for generation and for prompt processing; against `isoserve serve` "
             f"disaggregated with every guard on. The same `isoserve bench` load on each: "
@@ -413,7 +414,7 @@ def part_prefill(run: Run) -> str:
     body = (f"Prompt processing of one {p.prefill_tokens}-token prompt (seeded random words, the "
             f"same token ids for every engine), {p.model} {p.dtype}, {data['torch_threads']} torch "
             f"threads; the median of {p.prefill_repeats} prompt(s), each a different one, after one "
-            f"warm-up. isoserve: `LLM.generate` with `max_tokens=1` (its chunked prefill as "
+            f"warm-up, the engines taking turns on each prompt. isoserve: `LLM.generate` with `max_tokens=1` (its chunked prefill as "
             f"configured by default, plus sampling one token). transformers: one forward in "
             f"inference mode with `logits_to_keep=1`. llama.cpp: `llama-server` (Q4_1 GGUF, one "
             f"slot, `-t 2 -tb 2`), `POST /completion` with the token ids, `n_predict=1`, "
