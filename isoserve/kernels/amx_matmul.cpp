@@ -144,7 +144,7 @@ ISOSERVE_AMX void linear_columns(const uint16_t* x, int64_t rows, int64_t K, con
       configured1 = rows1;
     }
     const uint16_t* x0 = x + m0 * K;
-    const uint16_t* x1 = x0 + 16 * K;
+    const uint16_t* x1 = rows1 > 0 ? x0 + 16 * K : x0;  // rows 16-31 of the chunk, if it has them
     for (int64_t pair = pair_begin; pair < pair_end; ++pair) {
       const uint8_t* pair_blocks = blocks + pair * k_blocks * 2 * Format::kBlockBytes;
       _tile_zero(0);
@@ -186,7 +186,7 @@ ISOSERVE_AMX void linear_columns(const uint16_t* x, int64_t rows, int64_t K, con
 
 }  // namespace
 
-// "" when the AMX int4 matmul can run here, else why not (for the startup log).
+// "" when the AMX matmuls can run here, else why not (for the startup log and q4_tiers).
 std::string amx_status() {
   static const std::string status = probe_amx();
   return status;
