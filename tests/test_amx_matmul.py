@@ -212,3 +212,13 @@ def test_the_default_model_lm_head_takes_its_q8_0_blocks_where_amx_runs(isoserve
     assert torch.equal(head(eye), llm.engine.model.embed[:, :32].t())
     assert q8_0.has_companions(load_checkpoint("smollm2-135m-instruct", torch.bfloat16, isoserve_cache).weights,
                                "model.embed_tokens.weight")
+
+
+@pytest.mark.parametrize("fmt", FORMATS)
+def test_the_weight_takes_a_strided_input_as_the_bfloat16_path_does(fmt):
+    # The kernel itself refuses a strided x (above); the weight's matmul hands it a copy.
+    weight, bf16, _ = _random_blocks(fmt, 64, 64, seed=9)
+    wide = torch.randn(5, 128, generator=torch.Generator().manual_seed(9)).to(torch.bfloat16)
+    y = _run_or_refusal(lambda: weight.matmul(wide[:, ::2]))
+    if y is not None:
+        assert torch.equal(y, weight.matmul(wide[:, ::2].contiguous()))

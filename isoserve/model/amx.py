@@ -87,8 +87,9 @@ class AmxQ4Weight:
         return self.blocks.numel()
 
     def matmul(self, x: torch.Tensor) -> torch.Tensor:
-        """x [M, K] bfloat16 @ W^T -> [M, N]."""
-        return self.kernels.q4_1_linear(x, self.blocks, self.out_features)
+        """x [M, K] bfloat16 @ W^T -> [M, N]. (The kernel takes rows as they lie: a strided x
+        is copied once here, as the bfloat16 path copies it.)"""
+        return self.kernels.q4_1_linear(x.contiguous(), self.blocks, self.out_features)
 
 
 @dataclass
@@ -109,4 +110,4 @@ class AmxQ8Weight:
         return self.blocks.numel()
 
     def matmul(self, x: torch.Tensor) -> torch.Tensor:
-        return self.kernels.q8_0_linear(x, self.blocks, self.out_features)
+        return self.kernels.q8_0_linear(x.contiguous(), self.blocks, self.out_features)
