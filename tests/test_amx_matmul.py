@@ -16,17 +16,10 @@ from isoserve.engine.llm import LLM
 from isoserve.kernels import cpu_ops
 from isoserve.model import amx, int4, q8_0
 from isoserve.model.loader import load_checkpoint
+from tiny_models import HAS_AMX
 
 BF16_ULP = 2.0 ** -7
 FORMATS = ["q4_1", "q8_0"]
-
-
-def _machine_has_amx() -> bool:
-    flags = next(line for line in open("/proc/cpuinfo") if line.startswith("flags")).split()
-    return {"amx_tile", "amx_bf16", "avx512_bf16", "avx512bw", "avx512vl"} <= set(flags)
-
-
-HAS_AMX = _machine_has_amx()
 
 
 def _random_blocks(fmt: str, rows: int, cols: int, seed: int):

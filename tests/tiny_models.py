@@ -30,6 +30,15 @@ SMOLLM2_BOS, SMOLLM2_EOS = 1, 2  # <|im_start|>, <|im_end|>
 DEVICES = ["cpu"] + (["cuda"] if torch.cuda.is_available() else [])
 
 
+def _cpu_has_amx() -> bool:
+    flags = next(line for line in open("/proc/cpuinfo") if line.startswith("flags")).split()
+    return {"amx_tile", "amx_bf16", "avx512_bf16", "avx512bw", "avx512vl"} <= set(flags)
+
+
+# Whether isoserve's AMX kernels (kernels/amx_matmul.cpp) must run here, by the CPU's own flags.
+HAS_AMX = _cpu_has_amx()
+
+
 def make_tiny_llama(path: Path, *, num_heads: int = 4, num_kv_heads: int = 2, hidden_size: int = 64,
                     num_layers: int = 2, intermediate_size: int = 128, seed: int = 0,
                     tokenizer_dir: Path | None = None) -> Path:

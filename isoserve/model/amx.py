@@ -20,7 +20,7 @@ from dataclasses import dataclass
 
 import torch
 
-from isoserve.model.int4 import GROUP, unpack_codes
+from isoserve.model.int4 import GROUP, merge
 
 Q4_1_BLOCK_BYTES = 16 * 16 + 2 * 16 * 2   # codes, d, m
 Q8_0_BLOCK_BYTES = 16 * 32 + 16 * 2       # codes, d
@@ -75,11 +75,9 @@ class AmxQ4Weight:
                         kernels) -> AmxQ4Weight | None:
         """One weight from the Q4_1 (codes, d, m) of one or more projections stacked by output
         rows (merged QKV, gate-up); None where the kernel cannot take the shape."""
-        codes = unpack_codes(torch.cat([c for c, _, _ in parts]))
+        codes, d, m = merge(parts)
         if not _fits(*codes.shape):
             return None
-        d = torch.cat([d for _, d, _ in parts])
-        m = torch.cat([m for _, _, m in parts])
         return cls(q4_1_blocks(codes, d, m), codes.shape[0], kernels)
 
     @property

@@ -46,6 +46,13 @@ def has_companions(weights: dict[str, torch.Tensor], name: str) -> bool:
     return all(name + suffix in weights for suffix in COMPANIONS)
 
 
+def merge(parts: list[tuple[torch.Tensor, torch.Tensor, torch.Tensor]]) -> tuple[torch.Tensor, ...]:
+    """The (packed codes, d, m) of projections stacked by output rows (merged QKV, gate-up) ->
+    one weight's codes [N, K] (0..15), d and m [N, K / 32] (float16)."""
+    packed, d, m = (torch.cat(column) for column in zip(*parts))
+    return unpack_codes(packed), d, m
+
+
 def dequantize(weights: dict[str, torch.Tensor], name: str) -> torch.Tensor:
     """The weight `name` as its companions define it, d * q + m in float32."""
     codes = unpack_codes(weights[name + CODES]).float()
@@ -64,12 +71,11 @@ class Int4Weight:
                         dtype: torch.dtype) -> Int4Weight | None:
         """One weight from the (codes, d, m) of one or more projections stacked by output rows
         (merged QKV, gate-up); None where the kernel cannot take the shape."""
-        codes = unpack_codes(torch.cat([c for c, _, _ in parts]))
-        d = torch.cat([d for _, d, _ in parts]).float()
-        m = torch.cat([m for _, _, m in parts]).float()
+        codes, d, m = merge(parts)
         rows, cols = codes.shape
         if rows % 16 or cols % GROUP:  # the CPU kernel packs 16 output rows at a time
             return None
+        d, m = d.float(), m.float()
         zero = m + 8 * d
         scale_zero = torch.stack([d.t(), zero.t()], dim=-1).to(dtype).contiguous()
         return cls(torch._convert_weight_to_int4pack_for_cpu(codes.to(torch.int32).contiguous(), 1),

@@ -32,20 +32,26 @@ class Projection:
         self.packed = _onednn_packed(weight)
         self.weight = weight if self.packed is None else None  # the packed copy replaces it
 
+    def quantized_for(self, rows: int):
+        """The quantized weight a step of `rows` rows multiplies by, or None (the bfloat16 one)."""
+        for max_rows, q4 in self.tiers:
+            if rows <= max_rows:
+                return q4
+        return None
+
     def bytes_read(self, rows: int) -> int:
         """Weight bytes a step of `rows` rows reads (bench/roofline: the floor of what it reads)."""
-        form = next((q4 for max_rows, q4 in self.tiers if rows <= max_rows), None)
+        form = self.quantized_for(rows)
         if form is not None:
             return form.nbytes
         dense = self.packed if self.packed is not None else self.weight
         return self.out_features * self.in_features * dense.element_size()
 
     def __call__(self, x: torch.Tensor) -> torch.Tensor:
-        rows = x.shape[0]
-        for max_rows, q4 in self.tiers:
-            if rows <= max_rows:
-                y = q4.matmul(x)
-                return y if self.bias is None else y + self.bias
+        q4 = self.quantized_for(x.shape[0])
+        if q4 is not None:
+            y = q4.matmul(x)
+            return y if self.bias is None else y + self.bias
         if self.packed is not None:
             return torch.ops.mkldnn._linear_pointwise(x.contiguous(), self.packed, self.bias, "none", [], "")
         return F.linear(x, self.weight, self.bias)

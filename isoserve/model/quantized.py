@@ -32,15 +32,16 @@ def q4_tiers(parts: list[tuple[torch.Tensor, torch.Tensor, torch.Tensor]], dtype
     if max_rows == 0 or dtype != torch.bfloat16:
         return []
     torch_int4 = Int4Weight.from_companions(parts, dtype)
-    amx = AmxQ4Weight.from_companions(parts, kernels) if amx_unavailable(kernels) == "" else None
+    amx = None  # built only where it takes rows torch's kernel does not
+    if amx_unavailable(kernels) == "" and (torch_int4 is None or max_rows is None
+                                           or max_rows > TORCH_ON_AMX_MAX_ROWS):
+        amx = AmxQ4Weight.from_companions(parts, kernels)
     if amx is None:
         rows = TORCH_DEFAULT_MAX_ROWS if max_rows is None else max_rows
         return [(rows, torch_int4)] if torch_int4 is not None else []
     rows = AMX_DEFAULT_MAX_ROWS if max_rows is None else max_rows
     if torch_int4 is None:
         return [(rows, amx)]
-    if rows <= TORCH_ON_AMX_MAX_ROWS:
-        return [(rows, torch_int4)]
     return [(TORCH_ON_AMX_MAX_ROWS, torch_int4), (rows, amx)]
 
 
