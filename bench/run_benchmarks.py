@@ -7,7 +7,7 @@
 
 Parts (each result is a ratio against its peer measured in the same run):
     offline   `isoserve bench --offline`: LLM.generate vs transformers generate (and generate_batch)
-    serve     `isoserve serve` disaggregated (cores shared) vs the same with cores pinned vs
+    serve     `isoserve serve` disaggregated (cores by turns) vs the same with cores split vs
               --mode aggregated, concurrency 1, 16 and 32
     guards    guards on vs all off, transfer checksums off, --scrub-freed-pages; concurrency 32
     transfer  KV transfer MB/s from the disaggregated server's /metrics vs raw pyzmq, same shapes
@@ -176,7 +176,7 @@ def part_offline(run: Run) -> str:
 
 SERVE_CONFIGS = {  # label: extra `isoserve serve` flags
     "disaggregated": ["--mode", "disaggregated"],
-    "disaggregated, cores pinned": ["--mode", "disaggregated", "--no-share-idle-cores"],
+    "disaggregated, cores split": ["--mode", "disaggregated", "--core-sharing", "split"],
     "aggregated": ["--mode", "aggregated"],
 }
 
@@ -192,9 +192,9 @@ def part_serve(run: Run) -> str:
             commands += [run.show(server.command), bench_cmd]
         if name == "disaggregated":
             run.disaggregated_metrics, run.disaggregated_summary = metrics, results[name]
-    d, pin, a = (results[n]["summaries"] for n in SERVE_CONFIGS)
+    d, split, a = (results[n]["summaries"] for n in SERVE_CONFIGS)
     rows = []
-    for sd, sp, sa in zip(d, pin, a):
+    for sd, sp, sa in zip(d, split, a):
         rows.append([sd["concurrency"],
                      num(sd["output_tokens_per_s"]), num(sp["output_tokens_per_s"]),
                      num(sa["output_tokens_per_s"]),
@@ -204,16 +204,17 @@ def part_serve(run: Run) -> str:
                      num(sd["tpot_ms"]["p50"], 2), num(sp["tpot_ms"]["p50"], 2),
                      num(sa["tpot_ms"]["p50"], 2),
                      f"{sd['failed']} / {sp['failed']} / {sa['failed']}"])
-    headers = ["concurrency", "disagg tok/s", "pinned tok/s", "agg tok/s", "disagg / pinned",
-               "disagg / agg", "disagg TTFT p50 ms", "pinned TTFT p50 ms", "agg TTFT p50 ms",
-               "disagg TPOT p50 ms", "pinned TPOT p50 ms", "agg TPOT p50 ms",
-               "failed (d / p / a)"]
+    headers = ["concurrency", "disagg tok/s", "split tok/s", "agg tok/s", "disagg / split",
+               "disagg / agg", "disagg TTFT p50 ms", "split TTFT p50 ms", "agg TTFT p50 ms",
+               "disagg TPOT p50 ms", "split TPOT p50 ms", "agg TPOT p50 ms",
+               "failed (d / s / a)"]
     plot = run.out.parent / "benchmarks-serve.png"
-    plot_runs([("disaggregated", d), ("disaggregated, cores pinned", pin), ("aggregated", a)],
+    plot_runs([("disaggregated", d), ("disaggregated, cores split", split), ("aggregated", a)],
               plot, title=f"isoserve serve, {p.model} {p.dtype}")
-    body = (f"`isoserve serve` with one prefill and one decode worker (the default; a busy "
-            f"worker takes the cores of an idle one), the same with `--no-share-idle-cores` "
-            f"(\"pinned\": each worker keeps cores / workers threads), and `--mode aggregated` "
+    body = (f"`isoserve serve` with one prefill and one decode worker (the default: the "
+            f"workers take turns, each step with every core), the same with `--core-sharing "
+            f"split` (\"split\": each busy worker takes cores / busy workers threads, their steps "
+            f"overlap), and `--mode aggregated` "
             f"(one worker doing both, every core). {p.model} {p.dtype}, "
             f"~{p.prompt_tokens}-token prompts (mean as the server counted them: "
             f"{num(d[0]['mean_prompt_tokens'])}), {p.output_tokens} output tokens with "

@@ -7,6 +7,7 @@ import os
 import sys
 
 from isoserve.config import GUARD_NAMES, parse_guard_names
+from isoserve.disagg.cores import POLICIES
 
 
 def _engine_args(p: argparse.ArgumentParser) -> None:
@@ -101,10 +102,15 @@ def build_parser() -> argparse.ArgumentParser:
                        help="torch threads per worker process, fixed (default: cores / workers, "
                             "and a busy worker takes the cores of idle ones; see --share-idle-cores)")
     serve.add_argument("--share-idle-cores", action=argparse.BooleanOptionalAction, default=True,
-                       help="workers on this host share its cores: before each step a busy worker "
-                            "takes cores / (workers busy now) threads, so prefill gets every core "
-                            "while decode waits and the other way round (default on; off, or "
-                            "--threads-per-worker, pins each worker to its share)")
+                       help="workers on this host share its cores (see --core-sharing), so "
+                            "prefill gets every core while decode waits and the other way round "
+                            "(default on; off, or --threads-per-worker, pins each worker to "
+                            "cores / workers threads)")
+    serve.add_argument("--core-sharing", choices=POLICIES, default="turns",
+                       help="how workers sharing the cores use them: turns (default: one busy "
+                            "worker steps at a time with every core, the busy ones taking turns "
+                            "step by step) or split (each busy worker takes cores / busy workers "
+                            "threads, and their steps overlap)")
     serve.add_argument("--worker-start-timeout", type=float, default=900.0)
 
     worker = sub.add_parser("worker", help="run one prefill or decode worker that joins a router")
@@ -125,6 +131,8 @@ def build_parser() -> argparse.ArgumentParser:
                         help="share the host's cores with the other workers using this file (made "
                              "by serve, one slot per worker): --threads is then only the start")
     worker.add_argument("--core-share-slot", type=int, default=0, help="this worker's slot in that file")
+    worker.add_argument("--core-sharing", choices=POLICIES, default="turns",
+                        help="with --core-share-file: take turns with every core, or split them")
 
     check = sub.add_parser("check-config", help="audit pool sizes against the context, without serving")
     _engine_args(check)

@@ -1,22 +1,35 @@
 """Workers on one host share its cores (isoserve/disagg/cores.py): a busy worker takes the
-cores of idle peers, the busy ones split them evenly, and a peer that died busy holds none.
-The peers here are real processes on the same share file."""
+cores of idle peers; by turns, one busy worker steps at a time with every core and hands the
+turn to a waiting peer; split, the busy ones divide the cores evenly; a peer that died busy, or
+died holding the turn, holds nothing. The peers here are real processes on the same file."""
 from __future__ import annotations
 
 import subprocess
 import sys
 import textwrap
+import threading
+import time
 
 import pytest
 
 from isoserve.disagg.cores import CoreShare, create_share_file
 
 PEER = textwrap.dedent("""
-    import sys
+    import sys, time
     from isoserve.disagg.cores import CoreShare
     share = CoreShare(sys.argv[1], int(sys.argv[2]), cores=4)
     for line in sys.stdin:
-        share.set_busy(line.strip() == "busy")
+        command = line.split()
+        if command[0] == "step":  # a step of the given seconds, as a busy worker takes it
+            share.set_busy(True)
+            with share.step() as threads:
+                print("in", threads, time.monotonic(), flush=True)
+                time.sleep(float(command[1]))
+                share.set_busy(False)
+                ended = time.monotonic()  # the step's end, before the turn is released
+            print("out", ended, flush=True)
+            continue
+        share.set_busy(command[0] == "busy")
         print("ok", flush=True)
 """)
 
@@ -30,6 +43,13 @@ class Peer:
         self.proc.stdin.write(state + "\n")
         self.proc.stdin.flush()
         assert self.proc.stdout.readline().strip() == "ok"
+
+    def start_step(self, seconds: float) -> None:
+        self.proc.stdin.write(f"step {seconds}\n")
+        self.proc.stdin.flush()
+
+    def read(self) -> list[str]:
+        return self.proc.stdout.readline().split()
 
     def kill(self) -> None:
         self.proc.kill()
@@ -84,3 +104,76 @@ def test_a_restarted_worker_clears_its_slot_and_slots_are_checked(share_file):
         peer.kill()
     with pytest.raises(ValueError, match="slot 3"):
         CoreShare(str(share_file), 3)
+
+
+def test_by_turns_one_worker_steps_at_a_time_with_every_core(share_file):
+    me = CoreShare(str(share_file), 0, cores=4)
+    peer = Peer(share_file, 1)
+    try:
+        peer.start_step(0.4)
+        kind, threads, _ = peer.read()
+        assert (kind, threads) == ("in", "4")     # alone in its step: every core
+        me.set_busy(True)
+        with me.step() as mine:
+            entered = time.monotonic()
+            assert mine == 4
+        kind, left = peer.read()
+        assert kind == "out" and entered >= float(left)  # my step waited for the peer's to end
+    finally:
+        peer.kill()
+
+
+def test_a_finished_step_hands_the_turn_to_a_waiting_peer(share_file):
+    me = CoreShare(str(share_file), 0, cores=2)
+    peer = Peer(share_file, 1)
+    try:
+        me.set_busy(True)
+        with me.step():
+            peer.start_step(0.2)       # the peer marks itself busy and waits for the turn
+            deadline = time.monotonic() + 10
+            while me.busy_peers() == 0:
+                assert time.monotonic() < deadline
+                time.sleep(0.01)
+        # Straight back for another step: the turn went to the waiting peer first.
+        with me.step():
+            again = time.monotonic()
+        kind, _, peer_in = peer.read()
+        kind_out, peer_out = peer.read()
+        assert (kind, kind_out) == ("in", "out")
+        assert float(peer_in) < again and again >= float(peer_out)
+    finally:
+        peer.kill()
+
+
+def test_a_peer_that_died_holding_the_turn_holds_nothing(share_file):
+    me = CoreShare(str(share_file), 0, cores=2)
+    peer = Peer(share_file, 1)
+    peer.start_step(600)
+    assert peer.read()[0] == "in"
+    entered = []
+    waiter = threading.Thread(target=lambda: entered.append(_step_once(me)))
+    waiter.start()
+    time.sleep(0.3)
+    assert not entered                 # the peer's step holds the turn
+    peer.kill()
+    waiter.join(timeout=10)
+    assert entered and me.busy_peers() == 0
+
+
+def _step_once(share: CoreShare) -> float:
+    share.set_busy(True)
+    with share.step():
+        return time.monotonic()
+
+
+def test_split_steps_overlap_and_policies_are_checked(share_file):
+    me = CoreShare(str(share_file), 0, cores=4, policy="split")
+    peer = Peer(share_file, 1)
+    try:
+        peer.set("busy")
+        with me.step() as threads:     # no turn to wait for: half the cores, at once
+            assert threads == 2
+    finally:
+        peer.kill()
+    with pytest.raises(ValueError, match="core-sharing policy"):
+        CoreShare(str(share_file), 0, policy="fifo")

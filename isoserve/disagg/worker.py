@@ -3,7 +3,8 @@
     loop: receive (router, and KV transfers on decode workers) -> take cores -> engine.step()
           -> send outputs
 
-"take cores" applies only to workers sharing a host's cores with their peers (cores.py).
+"take cores" applies only to workers sharing a host's cores with their peers (cores.py): by
+turns (one steps at a time, with every core) or split (cores / busy workers each).
 
 Roles: "prefill" computes a prompt's KV and its first token and hands both to a decode
 worker; "decode" receives verified KV and generates; "aggregated" does both in one engine.
@@ -15,6 +16,7 @@ import os
 import socket
 import threading
 import time
+from contextlib import nullcontext
 from dataclasses import dataclass, field
 
 import torch
@@ -50,6 +52,7 @@ class WorkerOptions:
     transfer_timeout_s: float = 300.0
     disabled_guards: frozenset[str] = field(default_factory=frozenset)
     core_share: tuple[str, int] | None = None  # (share file, this worker's slot): see cores.py
+    core_sharing: str = "turns"     # how workers sharing a host's cores use them: turns | split
 
 
 class Worker:
@@ -68,7 +71,7 @@ class Worker:
         self.role: Role = {"prefill": PrefillRole, "decode": DecodeRole,
                            "aggregated": AggregatedRole}[opts.role](self)
         self.counters: dict[str, int] = {}
-        self.cores = CoreShare(*opts.core_share) if opts.core_share else None
+        self.cores = CoreShare(*opts.core_share, policy=opts.core_sharing) if opts.core_share else None
         self.registered = False
         self.stopping = False
         self.loop_at = time.monotonic()  # when the main loop last went round
@@ -139,15 +142,17 @@ class Worker:
             if self.cores:
                 self.cores.set_busy(stepping)
             if stepping:
-                threads = self._take_cores() if self.cores else torch.get_num_threads()
-                self.count(STEPS_WITH_THREADS + str(threads))
-                started = time.perf_counter()
-                outputs = self.engine.step()
-                self.count(STEP_US_WITH_THREADS + str(threads), round((time.perf_counter() - started) * 1e6))
-                if self.cores and not self.engine.has_work():
-                    # Idle before the outputs go out: a peer can start on them (a prompt's KV)
-                    # at once, and should find our cores free.
-                    self.cores.set_busy(False)
+                with self._cores_for_step() as threads:
+                    if threads != torch.get_num_threads():
+                        torch.set_num_threads(threads)
+                    self.count(STEPS_WITH_THREADS + str(threads))
+                    started = time.perf_counter()
+                    outputs = self.engine.step()
+                    self.count(STEP_US_WITH_THREADS + str(threads), round((time.perf_counter() - started) * 1e6))
+                    if self.cores and not self.engine.has_work():
+                        # Idle before the outputs go out: a peer can start on them (a prompt's
+                        # KV) at once, and should find our cores free.
+                        self.cores.set_busy(False)
                 self.role.on_outputs(outputs)
                 delay_ms = failpoints.FAILPOINTS.value("worker.step_delay_ms")
                 if delay_ms:
@@ -166,13 +171,10 @@ class Worker:
         self.ctx.term()
         return 0
 
-    def _take_cores(self) -> int:
-        """Before a step (this worker marked busy): take the threads its share allows now, and
-        return them."""
-        threads = self.cores.threads()
-        if threads != torch.get_num_threads():
-            torch.set_num_threads(threads)
-        return threads
+    def _cores_for_step(self):
+        """Around a step (this worker marked busy): the cores it may use, as torch threads. On a
+        host whose cores the workers share, by turns or split (cores.py)."""
+        return self.cores.step() if self.cores else nullcontext(torch.get_num_threads())
 
     def _drain(self, sock, handler) -> None:
         while True:

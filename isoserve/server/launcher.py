@@ -58,7 +58,8 @@ def run_worker(args) -> int:
                          transfer_timeout_s=args.transfer_timeout,
                          disabled_guards=args.disabled_guards,
                          core_share=((args.core_share_file, args.core_share_slot)
-                                     if args.core_share_file else None))
+                                     if args.core_share_file else None),
+                         core_sharing=args.core_sharing)
     worker = Worker(opts)
     for sig in (signal.SIGTERM, signal.SIGINT):
         signal.signal(sig, lambda *_: setattr(worker, "stopping", True))
@@ -148,7 +149,8 @@ def _worker_command(args, role: str, index: int, router: str, kv_endpoint: str, 
     if args.context_length:
         cmd += ["--context-length", str(args.context_length)]
     if core_share:
-        cmd += ["--core-share-file", core_share[0], "--core-share-slot", str(core_share[1])]
+        cmd += ["--core-share-file", core_share[0], "--core-share-slot", str(core_share[1]),
+                "--core-sharing", args.core_sharing]
     if not args.fused_kernels:
         cmd.append("--no-fused-kernels")
     if getattr(args, f"{prefix}kv_tokens") is not None:
@@ -213,9 +215,14 @@ async def _serve(args) -> int:
     if args.share_idle_cores and not args.threads_per_worker and total > 1 and args.device == "cpu":
         share_file = str(runtime_dir / "cores.share")
         create_share_file(share_file, total)
-        log.info("%d worker(s) share %d core(s): %d thread(s) each while all are busy, up to %d "
-                 "while the others are idle (--no-share-idle-cores pins them)",
-                 total, cores, threads, cores)
+        if args.core_sharing == "turns":
+            log.info("%d worker(s) share %d core(s) by turns: a busy worker steps with all %d while "
+                     "the others wait (--core-sharing split overlaps their steps; "
+                     "--no-share-idle-cores pins %d thread(s) each)", total, cores, cores, threads)
+        else:
+            log.info("%d worker(s) share %d core(s): %d thread(s) each while all are busy, up to %d "
+                     "while the others are idle (--no-share-idle-cores pins them)",
+                     total, cores, threads, cores)
     else:
         log.info("%d worker(s), %d torch thread(s) each, on %d core(s)", total, threads, cores)
     slots = iter(range(total))
