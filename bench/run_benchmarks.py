@@ -7,7 +7,7 @@
 
 Parts (each result is a ratio against its peer measured in the same run):
     offline   `isoserve bench --offline`: LLM.generate vs transformers generate (and generate_batch)
-    serve     `isoserve serve` disaggregated (cores by turns) vs the same with cores split vs
+    serve     `isoserve serve` disaggregated (cores split) vs the same with cores by turns vs
               --mode aggregated, concurrency 1, 16 and 32
     guards    guards on vs all off, transfer checksums off, --scrub-freed-pages; concurrency 32
     transfer  KV transfer MB/s from the disaggregated server's /metrics vs raw pyzmq, same shapes
@@ -176,7 +176,7 @@ def part_offline(run: Run) -> str:
 
 SERVE_CONFIGS = {  # label: extra `isoserve serve` flags
     "disaggregated": ["--mode", "disaggregated"],
-    "disaggregated, cores split": ["--mode", "disaggregated", "--core-sharing", "split"],
+    "disaggregated, cores by turns": ["--mode", "disaggregated", "--core-sharing", "turns"],
     "aggregated": ["--mode", "aggregated"],
 }
 
@@ -192,9 +192,9 @@ def part_serve(run: Run) -> str:
             commands += [run.show(server.command), bench_cmd]
         if name == "disaggregated":
             run.disaggregated_metrics, run.disaggregated_summary = metrics, results[name]
-    d, split, a = (results[n]["summaries"] for n in SERVE_CONFIGS)
+    d, turns, a = (results[n]["summaries"] for n in SERVE_CONFIGS)
     rows = []
-    for sd, sp, sa in zip(d, split, a):
+    for sd, sp, sa in zip(d, turns, a):
         rows.append([sd["concurrency"],
                      num(sd["output_tokens_per_s"]), num(sp["output_tokens_per_s"]),
                      num(sa["output_tokens_per_s"]),
@@ -203,18 +203,22 @@ def part_serve(run: Run) -> str:
                      num(sd["ttft_ms"]["p50"]), num(sp["ttft_ms"]["p50"]), num(sa["ttft_ms"]["p50"]),
                      num(sd["tpot_ms"]["p50"], 2), num(sp["tpot_ms"]["p50"], 2),
                      num(sa["tpot_ms"]["p50"], 2),
+                     num(sd["ttft_ms"]["p99"]), num(sp["ttft_ms"]["p99"]), num(sa["ttft_ms"]["p99"]),
+                     num(sd["itl_ms"]["p99"], 1), num(sp["itl_ms"]["p99"], 1), num(sa["itl_ms"]["p99"], 1),
                      f"{sd['failed']} / {sp['failed']} / {sa['failed']}"])
-    headers = ["concurrency", "disagg tok/s", "split tok/s", "agg tok/s", "disagg / split",
-               "disagg / agg", "disagg TTFT p50 ms", "split TTFT p50 ms", "agg TTFT p50 ms",
-               "disagg TPOT p50 ms", "split TPOT p50 ms", "agg TPOT p50 ms",
-               "failed (d / s / a)"]
+    headers = ["concurrency", "disagg tok/s", "turns tok/s", "agg tok/s", "disagg / turns",
+               "disagg / agg", "disagg TTFT p50 ms", "turns TTFT p50 ms", "agg TTFT p50 ms",
+               "disagg TPOT p50 ms", "turns TPOT p50 ms", "agg TPOT p50 ms",
+               "disagg TTFT p99 ms", "turns TTFT p99 ms", "agg TTFT p99 ms",
+               "disagg ITL p99 ms", "turns ITL p99 ms", "agg ITL p99 ms",
+               "failed (d / t / a)"]
     plot = run.out.parent / "benchmarks-serve.png"
-    plot_runs([("disaggregated", d), ("disaggregated, cores split", split), ("aggregated", a)],
+    plot_runs([("disaggregated", d), ("disaggregated, cores by turns", turns), ("aggregated", a)],
               plot, title=f"isoserve serve, {p.model} {p.dtype}")
-    body = (f"`isoserve serve` with one prefill and one decode worker (the default: the "
-            f"workers take turns, each step with every core), the same with `--core-sharing "
-            f"split` (\"split\": each busy worker takes cores / busy workers threads, their steps "
-            f"overlap), and `--mode aggregated` "
+    body = (f"`isoserve serve` with one prefill and one decode worker (the default: each "
+            f"busy worker takes cores / busy workers threads, so one alone has every core), the "
+            f"same with `--core-sharing turns` (\"turns\": one busy worker steps at a time with "
+            f"every core), and `--mode aggregated` "
             f"(one worker doing both, every core). {p.model} {p.dtype}, "
             f"~{p.prompt_tokens}-token prompts (mean as the server counted them: "
             f"{num(d[0]['mean_prompt_tokens'])}), {p.output_tokens} output tokens with "

@@ -386,8 +386,8 @@ def test_serve_passes_prefill_max_num_seqs_to_prefill_workers_only():
     assert flag(shared, "--core-share-file") == "/run/cores.share" and flag(shared, "--core-share-slot") == "1"
     worker_args = build_parser().parse_args(shared[shared.index("worker"):])
     assert (worker_args.core_share_file, worker_args.core_share_slot) == ("/run/cores.share", 1)
-    assert flag(shared, "--core-sharing") == "turns" == worker_args.core_sharing  # the default
-    split = parse("--core-sharing", "split")
-    assert flag(_worker_command(split, "decode", 0, "ipc:///r", "ipc:///kv", 1, ("/run/cores.share", 1)),
-                "--core-sharing") == "split"
+    assert flag(shared, "--core-sharing") == "split" == worker_args.core_sharing  # the default
+    turns = parse("--core-sharing", "turns")
+    assert flag(_worker_command(turns, "decode", 0, "ipc:///r", "ipc:///kv", 1, ("/run/cores.share", 1)),
+                "--core-sharing") == "turns"
     assert "--core-share-file" not in _worker_command(default, "decode", 0, "ipc:///r", "ipc:///kv", 1)

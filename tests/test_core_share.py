@@ -17,12 +17,18 @@ from isoserve.disagg.cores import CoreShare, create_share_file
 PEER = textwrap.dedent("""
     import sys, time
     from isoserve.disagg.cores import CoreShare
-    share = CoreShare(sys.argv[1], int(sys.argv[2]), cores=4)
+    share = CoreShare(sys.argv[1], int(sys.argv[2]), cores=4, policy=sys.argv[3])
+
+    def wait_for_cores(share):  # as a worker does, receiving between tries
+        while (cores := share.try_step()) is None:
+            time.sleep(0.001)
+        return cores
+
     for line in sys.stdin:
         command = line.split()
         if command[0] == "step":  # a step of the given seconds, as a busy worker takes it
             share.set_busy(True)
-            with share.step() as threads:
+            with wait_for_cores(share) as threads:
                 print("in", threads, time.monotonic(), flush=True)
                 time.sleep(float(command[1]))
                 share.set_busy(False)
@@ -35,8 +41,8 @@ PEER = textwrap.dedent("""
 
 
 class Peer:
-    def __init__(self, path, slot):
-        self.proc = subprocess.Popen([sys.executable, "-c", PEER, str(path), str(slot)],
+    def __init__(self, path, slot, policy="turns"):
+        self.proc = subprocess.Popen([sys.executable, "-c", PEER, str(path), str(slot), policy],
                                      stdin=subprocess.PIPE, stdout=subprocess.PIPE, text=True)
 
     def set(self, state: str) -> None:
@@ -107,14 +113,15 @@ def test_a_restarted_worker_clears_its_slot_and_slots_are_checked(share_file):
 
 
 def test_by_turns_one_worker_steps_at_a_time_with_every_core(share_file):
-    me = CoreShare(str(share_file), 0, cores=4)
+    me = CoreShare(str(share_file), 0, cores=4, policy="turns")
     peer = Peer(share_file, 1)
     try:
         peer.start_step(0.4)
         kind, threads, _ = peer.read()
         assert (kind, threads) == ("in", "4")     # alone in its step: every core
         me.set_busy(True)
-        with me.step() as mine:
+        assert me.try_step() is None              # the peer's turn
+        with _wait_for_cores(me) as mine:
             entered = time.monotonic()
             assert mine == 4
         kind, left = peer.read()
@@ -124,18 +131,18 @@ def test_by_turns_one_worker_steps_at_a_time_with_every_core(share_file):
 
 
 def test_a_finished_step_hands_the_turn_to_a_waiting_peer(share_file):
-    me = CoreShare(str(share_file), 0, cores=2)
+    me = CoreShare(str(share_file), 0, cores=2, policy="turns")
     peer = Peer(share_file, 1)
     try:
         me.set_busy(True)
-        with me.step():
+        with _wait_for_cores(me):
             peer.start_step(0.2)       # the peer marks itself busy and waits for the turn
             deadline = time.monotonic() + 10
             while me.busy_peers() == 0:
                 assert time.monotonic() < deadline
                 time.sleep(0.01)
         # Straight back for another step: the turn went to the waiting peer first.
-        with me.step():
+        with _wait_for_cores(me):
             again = time.monotonic()
         kind, _, peer_in = peer.read()
         kind_out, peer_out = peer.read()
@@ -146,7 +153,7 @@ def test_a_finished_step_hands_the_turn_to_a_waiting_peer(share_file):
 
 
 def test_a_peer_that_died_holding_the_turn_holds_nothing(share_file):
-    me = CoreShare(str(share_file), 0, cores=2)
+    me = CoreShare(str(share_file), 0, cores=2, policy="turns")
     peer = Peer(share_file, 1)
     peer.start_step(600)
     assert peer.read()[0] == "in"
@@ -162,8 +169,14 @@ def test_a_peer_that_died_holding_the_turn_holds_nothing(share_file):
 
 def _step_once(share: CoreShare) -> float:
     share.set_busy(True)
-    with share.step():
+    with _wait_for_cores(share):
         return time.monotonic()
+
+
+def _wait_for_cores(share: CoreShare):
+    while (cores := share.try_step()) is None:
+        time.sleep(0.001)
+    return cores
 
 
 def test_split_steps_overlap_and_policies_are_checked(share_file):
@@ -171,9 +184,28 @@ def test_split_steps_overlap_and_policies_are_checked(share_file):
     peer = Peer(share_file, 1)
     try:
         peer.set("busy")
-        with me.step() as threads:     # no turn to wait for: half the cores, at once
+        with me.try_step() as threads:  # no turn to wait for: half the cores, at once
             assert threads == 2
     finally:
         peer.kill()
     with pytest.raises(ValueError, match="core-sharing policy"):
         CoreShare(str(share_file), 0, policy="fifo")
+
+
+def test_a_peer_holding_the_turn_past_the_limit_is_stepped_around(share_file, monkeypatch):
+    from isoserve.disagg import cores
+
+    monkeypatch.setattr(cores, "TURN_WAIT_LIMIT_S", 0.3)
+    me = CoreShare(str(share_file), 0, cores=2, policy="turns")
+    peer = Peer(share_file, 1)
+    try:
+        peer.start_step(600)           # a stuck step: it never ends
+        assert peer.read()[0] == "in"
+        me.set_busy(True)
+        assert me.try_step() is None
+        time.sleep(0.4)
+        with me.try_step() as threads:  # past the limit: step anyway, without the turn
+            assert threads == 2
+        assert me.try_step() is None    # and the next step waits again
+    finally:
+        peer.kill()

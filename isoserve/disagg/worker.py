@@ -1,10 +1,10 @@
 """A worker process: one engine, one KV pool, one thread, driven by messages from the router.
 
     loop: receive (router, and KV transfers on decode workers) -> take cores -> engine.step()
-          -> send outputs
+          -> send outputs; while a peer's turn on the cores lasts, receive again
 
 "take cores" applies only to workers sharing a host's cores with their peers (cores.py): by
-turns (one steps at a time, with every core) or split (cores / busy workers each).
+split (cores / busy workers each) or turns (one steps at a time, with every core).
 
 Roles: "prefill" computes a prompt's KV and its first token and hands both to a decode
 worker; "decode" receives verified KV and generates; "aggregated" does both in one engine.
@@ -16,7 +16,6 @@ import os
 import socket
 import threading
 import time
-from contextlib import nullcontext
 from dataclasses import dataclass, field
 
 import torch
@@ -25,7 +24,7 @@ import zmq
 from isoserve import failpoints
 from isoserve.admission import check_prompt_fits
 from isoserve.config import EngineConfig
-from isoserve.disagg.cores import CoreShare
+from isoserve.disagg.cores import TURN_POLL_MS, CoreShare, StepCores
 from isoserve.disagg.roles import AggregatedRole, DecodeRole, PrefillRole, Role
 from isoserve.disagg.wire import Signer, Unauthenticated
 from isoserve.engine.engine import Engine
@@ -52,7 +51,7 @@ class WorkerOptions:
     transfer_timeout_s: float = 300.0
     disabled_guards: frozenset[str] = field(default_factory=frozenset)
     core_share: tuple[str, int] | None = None  # (share file, this worker's slot): see cores.py
-    core_sharing: str = "turns"     # how workers sharing a host's cores use them: turns | split
+    core_sharing: str = "split"     # how workers sharing a host's cores use them: split | turns
 
 
 class Worker:
@@ -131,18 +130,21 @@ class Worker:
         self.send_router("register", self.describe())
         log.info("worker %s (%s) registering with %s", self.id, self.opts.role, self.opts.router)
         last_beat = 0.0
+        awaiting_turn = False
         while not self.stopping:
             self.loop_at = time.monotonic()
             busy = self.engine.has_work() or self.role.busy()
-            events = dict(self.poller.poll(0 if busy else 20))
+            events = dict(self.poller.poll(TURN_POLL_MS if awaiting_turn else 0 if busy else 20))
             if self.router in events:
                 self._drain(self.router, self._on_router_message)
             self.role.poll_extra(events)
             stepping = self.registered and self.engine.has_work()
             if self.cores:
                 self.cores.set_busy(stepping)
-            if stepping:
-                with self._cores_for_step() as threads:
+            cores = self._cores_for_step() if stepping else None
+            awaiting_turn = stepping and cores is None  # a peer's turn: receive meanwhile
+            if cores is not None:
+                with cores as threads:
                     if threads != torch.get_num_threads():
                         torch.set_num_threads(threads)
                     self.count(STEPS_WITH_THREADS + str(threads))
@@ -171,10 +173,10 @@ class Worker:
         self.ctx.term()
         return 0
 
-    def _cores_for_step(self):
-        """Around a step (this worker marked busy): the cores it may use, as torch threads. On a
-        host whose cores the workers share, by turns or split (cores.py)."""
-        return self.cores.step() if self.cores else nullcontext(torch.get_num_threads())
+    def _cores_for_step(self) -> StepCores | None:
+        """The cores this (busy) worker's next step may use, as torch threads, or None while it
+        waits for its turn on a host whose cores the workers share (cores.py)."""
+        return self.cores.try_step() if self.cores else StepCores(torch.get_num_threads())
 
     def _drain(self, sock, handler) -> None:
         while True:

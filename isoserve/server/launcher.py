@@ -217,12 +217,12 @@ async def _serve(args) -> int:
         create_share_file(share_file, total)
         if args.core_sharing == "turns":
             log.info("%d worker(s) share %d core(s) by turns: a busy worker steps with all %d while "
-                     "the others wait (--core-sharing split overlaps their steps; "
-                     "--no-share-idle-cores pins %d thread(s) each)", total, cores, cores, threads)
+                     "the others wait (--no-share-idle-cores pins %d thread(s) each)",
+                     total, cores, cores, threads)
         else:
             log.info("%d worker(s) share %d core(s): %d thread(s) each while all are busy, up to %d "
-                     "while the others are idle (--no-share-idle-cores pins them)",
-                     total, cores, threads, cores)
+                     "while the others are idle (--core-sharing turns steps one at a time with "
+                     "all of them; --no-share-idle-cores pins them)", total, cores, threads, cores)
     else:
         log.info("%d worker(s), %d torch thread(s) each, on %d core(s)", total, threads, cores)
     slots = iter(range(total))
