@@ -110,8 +110,8 @@ def build_parser() -> argparse.ArgumentParser:
                        help="how workers sharing the cores use them: split (default: each busy "
                             "worker takes cores / busy workers threads, and their steps overlap) "
                             "or turns (one busy worker steps at a time with every core, the busy "
-                            "ones taking turns step by step: lower inter-token tails, higher "
-                            "median TTFT on 2 cores)")
+                            "ones taking turns step by step: lower tails, higher median TTFT "
+                            "on 2 cores)")
     serve.add_argument("--worker-start-timeout", type=float, default=900.0)
 
     worker = sub.add_parser("worker", help="run one prefill or decode worker that joins a router")
