@@ -13,9 +13,9 @@ the busy ones share the cores by one of two policies:
       by step. No step runs on a core another worker's step also wants (an OpenMP thread
       preempted by the other process stalls its whole step at the next barrier), and decode
       steps start with fuller batches. On the project's 2-core VMs at 32 concurrent requests it
-      gave split's tokens/s within the drift (0.92-1.07x) in ~30% fewer decode steps, equal or
-      lower TTFT and inter-token p99, and a 1.4-1.7x higher median TTFT (a prefill step waits
-      for each decode step).
+      gave split's tokens/s within the drift (0.92-1.07x) in ~30% fewer decode steps, an equal
+      or lower inter-token p99, a TTFT p99 within 5% or lower, and a 1.4-1.7x higher median
+      TTFT (a prefill step waits for each decode step).
 
 The file holds one 8-byte slot per worker (0 when idle, the worker's pid while busy), then one
 8-byte count of turns taken. A slot whose pid no longer runs counts as idle, so a worker that
