@@ -35,17 +35,16 @@ import time
 from typing import Callable
 
 SLOT = struct.Struct("<q")
-POLICIES = ("turns", "split")
+POLICIES = ("split", "turns")
 
 log = logging.getLogger("isoserve.cores")
 
 # A worker waiting for its turn keeps receiving (router messages, KV transfers, reservations)
 # and checks the lock between polls of its sockets; it polls this long (ms) while it waits.
 TURN_POLL_MS = 1
-# After its step a worker waits (at most this long) for a waiting peer to take the turn, so
-# that it cannot take it straight back; it checks this often meanwhile.
+# After its step a worker leaves the turn to a waiting peer (for at most this long), so that it
+# cannot take it straight back; it sends its outputs and goes on receiving meanwhile.
 HANDOFF_WAIT_S = 0.005
-HANDOFF_CHECK_S = 0.0002
 # No step of a model we serve holds the turn this long; past it, the waiting worker steps
 # anyway (oversubscribing the cores) rather than stall behind a stuck peer.
 TURN_WAIT_LIMIT_S = 60.0
@@ -80,6 +79,7 @@ class CoreShare:
             raise ValueError(f"core-share slot {slot} is outside the file's {self.slots} slots")
         self.slot = slot
         self._waiting_since: float | None = None  # since when try_step has found the turn taken
+        self._handoff: tuple[int, float] | None = None  # (turns taken, until when) after our turn
         self._busy = None
         self.set_busy(False)  # a restarted worker clears what its predecessor left
 
@@ -114,6 +114,11 @@ class CoreShare:
         the caller goes on receiving and asks again after TURN_POLL_MS."""
         if self.policy == "split":
             return StepCores(self.threads())
+        if self._handoff is not None:
+            taken, until = self._handoff
+            if self.turns_taken == taken and time.monotonic() < until and self.busy_peers():
+                return None  # a peer that waited through our step goes first
+            self._handoff = None
         try:
             fcntl.flock(self._file, fcntl.LOCK_EX | fcntl.LOCK_NB)
         except BlockingIOError:
@@ -131,11 +136,8 @@ class CoreShare:
         return StepCores(self.cores, self._end_turn)
 
     def _end_turn(self) -> None:
-        taken = self.turns_taken
+        self._handoff = (self.turns_taken, time.monotonic() + HANDOFF_WAIT_S)
         fcntl.flock(self._file, fcntl.LOCK_UN)
-        handoff_by = time.monotonic() + HANDOFF_WAIT_S
-        while self.busy_peers() and self.turns_taken == taken and time.monotonic() < handoff_by:
-            time.sleep(HANDOFF_CHECK_S)
 
     def close(self) -> None:
         self.set_busy(False)
