@@ -38,6 +38,12 @@ namespace {
 
 constexpr int64_t kTileLine = 64;      // bytes per tile line: 32 bfloat16 or 16 float32
 constexpr int64_t kRowsPerChunk = 32;  // x rows per pass: two 16-row A tiles
+// How far ahead of the block being widened its successors are asked for (4 k steps of Q4_1).
+// A thread walks its weights in order, but the widening and the tile unit do not keep enough
+// loads in flight to cover the memory's latency. With this and the looked-up nibbles below,
+// decode steps alternating old and new kernels in one engine run took 15% / 8% / 5% less at
+// batch 8 / 16 / 32. (A prefetch past the end of the weights is harmless: it never faults.)
+constexpr int64_t kPrefetchBytes = 2560;
 
 // Compiled for these extensions whatever -march says (the file is built without AMX by
 // default); called only after amx_status() found the CPU and the OS ready for them.
@@ -100,11 +106,14 @@ struct Q4_1 {
     __m512 d_low, d_high, m_low, m_high;
     per_half(block + 256, d_low, d_high);
     per_half(block + 288, m_low, m_high);
-    const __m512i nibble = _mm512_set1_epi32(15);
+    // A code's float is looked up, not converted: vpermps reads only the low 4 bits of each
+    // index, so the low nibble needs no mask (one shuffle where a mask and a conversion were
+    // two instructions; the same floats, so the same weights).
+    const __m512 values = _mm512_set_ps(15, 14, 13, 12, 11, 10, 9, 8, 7, 6, 5, 4, 3, 2, 1, 0);
     for (int line = 0; line < 16; ++line) {
       const __m512i codes = _mm512_cvtepu8_epi32(_mm_loadu_si128(reinterpret_cast<const __m128i*>(block + 16 * line)));
-      const __m512 low = _mm512_fmadd_ps(_mm512_cvtepi32_ps(_mm512_and_si512(codes, nibble)), d_low, m_low);
-      const __m512 high = _mm512_fmadd_ps(_mm512_cvtepi32_ps(_mm512_srli_epi32(codes, 4)), d_high, m_high);
+      const __m512 low = _mm512_fmadd_ps(_mm512_permutexvar_ps(codes, values), d_low, m_low);
+      const __m512 high = _mm512_fmadd_ps(_mm512_permutexvar_ps(_mm512_srli_epi32(codes, 4), values), d_high, m_high);
       store_line(tile + 32 * line, low, high);
     }
   }
@@ -154,6 +163,8 @@ ISOSERVE_AMX void linear_columns(const uint16_t* x, int64_t rows, int64_t K, con
       for (int64_t kb = 0; kb < k_blocks; ++kb) {
         uint16_t* b0 = b_tiles[kb & 1][0];
         uint16_t* b1 = b_tiles[kb & 1][1];
+        const uint8_t* ahead = pair_blocks + (2 * kb) * Format::kBlockBytes + kPrefetchBytes;
+        for (int64_t line = 0; line < 2 * Format::kBlockBytes; line += 64) _mm_prefetch(reinterpret_cast<const char*>(ahead + line), _MM_HINT_T0);
         Format::widen(pair_blocks + (2 * kb) * Format::kBlockBytes, b0);
         Format::widen(pair_blocks + (2 * kb + 1) * Format::kBlockBytes, b1);
         _tile_loadd(6, b0, kTileLine);
