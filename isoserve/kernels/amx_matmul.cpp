@@ -82,6 +82,10 @@ ISOSERVE_AMX void configure_tiles(int rows0, int rows1) {
     cfg.rows[t] = static_cast<uint8_t>(rows[t]);
     cfg.bytes_per_row[t] = kTileLine;
   }
+  // GCC 12 does not count ldtilecfg as reading its operand: with every field a constant it
+  // dropped the stores above (seen in a scratch kernel, which then faulted on its first tile
+  // load). The barrier keeps them whatever the compiler can prove.
+  asm volatile("" : : "r"(&cfg) : "memory");
   _tile_loadconfig(&cfg);
 }
 
