@@ -19,6 +19,7 @@ from isoserve.engine.sampling_params import SamplingParams
 from isoserve.engine.scheduler import Scheduler
 from isoserve.engine.sequence import Sequence, Status, TokenLogprob
 from isoserve.engine.deadlines import Deadlines
+from isoserve.engine.detokenizer import Detokenizer
 from isoserve.errors import (GenerationTimeout, InvalidRequest, IsoserveError, KVIsolationViolation,
                              QueueTimeout)
 from isoserve.kv.allocator import PageAllocator
@@ -57,6 +58,7 @@ class Engine:
         self.model_name = ckpt.name
         self.model_config = ckpt.config
         self.tokenizer = ckpt.tokenizer
+        self.detokenizer = Detokenizer(self.tokenizer)
         model_context = ckpt.config.max_position_embeddings
         self.context_length = config.context_length or model_context
         if self.context_length > model_context:
@@ -240,7 +242,10 @@ class Engine:
 
     def _update_text(self, seq: Sequence) -> bool:
         """Detokenize the output; True when a stop string appeared (the text is cut before it)."""
-        text = self.tokenizer.decode(seq.output_token_ids, skip_special_tokens=True)
+        if seq.decode_stream is None:
+            seq.decode_stream = self.detokenizer.new_stream()
+        text, seq.streamed_text = self.detokenizer.text_after(seq.output_token_ids, seq.decode_stream,
+                                                              seq.streamed_text)
         # Of several stop strings, the one that occurs first in the text ends it.
         hits = [i for stop in seq.params.stop
                 if (i := text.find(stop, max(0, len(seq.text) - len(stop)))) != -1]

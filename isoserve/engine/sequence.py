@@ -3,9 +3,13 @@ from __future__ import annotations
 
 import enum
 from dataclasses import dataclass, field
+from typing import TYPE_CHECKING
 
 from isoserve.engine.sampling_params import SamplingParams
 from isoserve.errors import IsoserveError
+
+if TYPE_CHECKING:
+    from tokenizers.decoders import DecodeStream
 
 
 class Status(enum.Enum):
@@ -38,6 +42,8 @@ class Sequence:
     finish_reason: str | None = None
     error: IsoserveError | None = None
     text: str = ""          # detokenized output so far (stop strings applied)
+    decode_stream: DecodeStream | None = None  # its incremental detokenizer (engine/detokenizer.py)
+    streamed_text: str = ""       # the text that stream has given so far
     emitted_text_len: int = 0
     emitted_tokens: int = 0
     keep_kv_on_finish: bool = False  # prefill workers hand the pages to a transfer first
