@@ -29,10 +29,10 @@ def _token_lists(tokenizer):
 
 def _check_every_step(tokenizer, ids):
     detok = Detokenizer(tokenizer)
-    stream, streamed = detok.new_stream(), ""
-    assert stream is not None  # the default model's tokenizer takes the fast path
+    assert detok.new_stream() is not None  # the default model's tokenizer takes the fast path
+    output = detok.start()
     for n in range(1, len(ids) + 1):
-        text, streamed = detok.text_after(ids[:n], stream, streamed)
+        text = output.after(ids[:n])
         assert text == tokenizer.decode(ids[:n], skip_special_tokens=True), (ids[:n], text)
 
 
@@ -49,12 +49,8 @@ def test_a_character_split_over_tokens_is_held_back_then_given_whole(tokenizer):
     the full decode's (replacement characters), then the fourth completes it."""
     ids = tokenizer.encode("ok 🙂 done", add_special_tokens=False)
     _check_every_step(tokenizer, ids)
-    detok = Detokenizer(tokenizer)
-    stream, streamed = detok.new_stream(), ""
-    texts = []
-    for n in range(1, len(ids) + 1):
-        text, streamed = detok.text_after(ids[:n], stream, streamed)
-        texts.append(text)
+    output = Detokenizer(tokenizer).start()
+    texts = [output.after(ids[:n]) for n in range(1, len(ids) + 1)]
     assert texts[-1] == "ok 🙂 done"
 
 

@@ -19,23 +19,35 @@ from tokenizers.decoders import DecodeStream
 
 
 class Detokenizer:
+    """The engine's: one per tokenizer, starting each sequence's OutputText."""
+
     def __init__(self, tokenizer):
         self.tokenizer = tokenizer
         backend = getattr(tokenizer, "backend_tokenizer", None)
         cleans_up = getattr(tokenizer, "clean_up_tokenization_spaces", False)
-        self._backend = None if cleans_up else backend
+        self.backend = None if cleans_up else backend
 
     def new_stream(self) -> DecodeStream | None:
         """One sequence's stream (None: this tokenizer always decodes in full)."""
-        return DecodeStream(skip_special_tokens=True) if self._backend is not None else None
+        return DecodeStream(skip_special_tokens=True) if self.backend is not None else None
 
-    def text_after(self, output_token_ids: list[int], stream: DecodeStream | None,
-                   streamed: str) -> tuple[str, str]:
-        """(the output's text, the stream's text so far) after the last of output_token_ids,
-        which the stream has not seen yet; `streamed` is the stream's text before it."""
-        if stream is not None:
-            piece = stream.step(self._backend, output_token_ids[-1])
+    def start(self) -> OutputText:
+        return OutputText(self)
+
+
+class OutputText:
+    """One sequence's: its stream and the text that stream has given so far."""
+
+    def __init__(self, detokenizer: Detokenizer):
+        self._detokenizer = detokenizer
+        self._stream = detokenizer.new_stream()
+        self._streamed = ""
+
+    def after(self, output_token_ids: list[int]) -> str:
+        """The output's text after its last token, which this has not seen yet."""
+        if self._stream is not None:
+            piece = self._stream.step(self._detokenizer.backend, output_token_ids[-1])
             if piece is not None:
-                streamed += piece
-                return streamed, streamed
-        return self.tokenizer.decode(output_token_ids, skip_special_tokens=True), streamed
+                self._streamed += piece
+                return self._streamed
+        return self._detokenizer.tokenizer.decode(output_token_ids, skip_special_tokens=True)

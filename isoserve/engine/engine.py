@@ -242,10 +242,9 @@ class Engine:
 
     def _update_text(self, seq: Sequence) -> bool:
         """Detokenize the output; True when a stop string appeared (the text is cut before it)."""
-        if seq.decode_stream is None:
-            seq.decode_stream = self.detokenizer.new_stream()
-        text, seq.streamed_text = self.detokenizer.text_after(seq.output_token_ids, seq.decode_stream,
-                                                              seq.streamed_text)
+        if seq.output_text is None:
+            seq.output_text = self.detokenizer.start()
+        text = seq.output_text.after(seq.output_token_ids)
         # Of several stop strings, the one that occurs first in the text ends it.
         hits = [i for stop in seq.params.stop
                 if (i := text.find(stop, max(0, len(seq.text) - len(stop)))) != -1]

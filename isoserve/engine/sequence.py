@@ -9,7 +9,7 @@ from isoserve.engine.sampling_params import SamplingParams
 from isoserve.errors import IsoserveError
 
 if TYPE_CHECKING:
-    from tokenizers.decoders import DecodeStream
+    from isoserve.engine.detokenizer import OutputText
 
 
 class Status(enum.Enum):
@@ -42,8 +42,7 @@ class Sequence:
     finish_reason: str | None = None
     error: IsoserveError | None = None
     text: str = ""          # detokenized output so far (stop strings applied)
-    decode_stream: DecodeStream | None = None  # its incremental detokenizer (engine/detokenizer.py)
-    streamed_text: str = ""       # the text that stream has given so far
+    output_text: OutputText | None = None  # detokenizes it token by token (engine/detokenizer.py)
     emitted_text_len: int = 0
     emitted_tokens: int = 0
     keep_kv_on_finish: bool = False  # prefill workers hand the pages to a transfer first
