@@ -16,7 +16,7 @@ BF16_ULP = 2.0 ** -7  # relative spacing of bfloat16: one rounding step
 @pytest.fixture(scope="module")
 def fused():
     # No skip: the suite runs where `make install` built the kernels; failing to build is a defect.
-    return FusedOps(cpu_ops())
+    return FusedOps(cpu_ops(), torch.float32)
 
 
 def _close(actual: torch.Tensor, expected: torch.Tensor, dtype: torch.dtype, ulps: float = 1) -> None:

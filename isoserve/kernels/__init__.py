@@ -1,4 +1,4 @@
-"""Fused CPU kernels (cpu_ops.cpp, amx_matmul.cpp), built with torch's C++ extension builder.
+"""Fused CPU kernels (cpu_ops.cpp, amx_matmul.cpp, amx_attention.cpp), built with torch's C++ extension builder.
 
 `make install` builds them once (`python -m isoserve.kernels`: ninja and the system C++
 compiler) into a folder named after a hash of the source, the flags and the torch version.
@@ -24,7 +24,8 @@ from isoserve.config import default_cache_dir
 
 log = logging.getLogger("isoserve.kernels")
 
-SOURCES = [Path(__file__).with_name(name) for name in ("cpu_ops.cpp", "amx_matmul.cpp")]
+SOURCES = [Path(__file__).with_name(name) for name in ("cpu_ops.cpp", "amx_matmul.cpp", "amx_attention.cpp")]
+HEADERS = [Path(__file__).with_name("amx.h")]
 # Native code for the CPU it is built on, minus AMX: a process must ask Linux for the tile state
 # before its first AMX instruction, or that instruction faults (as llama.cpp's does on these VMs:
 # bench/build_llama_server.sh). amx_matmul.cpp enables AMX for its own functions only, and runs
@@ -46,7 +47,7 @@ def module_name() -> str:
     """Names the build: a changed source, flag or torch version is a different library."""
     import torch
     digest = hashlib.sha256()
-    for part in (*(source.read_bytes() for source in SOURCES), " ".join(CFLAGS + LDFLAGS).encode(),
+    for part in (*(source.read_bytes() for source in SOURCES + HEADERS), " ".join(CFLAGS + LDFLAGS).encode(),
                  torch.__version__.encode(), sys.version.encode()):
         digest.update(part)
     return f"isoserve_cpu_ops_{digest.hexdigest()[:12]}"

@@ -34,7 +34,12 @@
 #include <cstring>
 #include <string>
 
+#include "amx.h"
+
 namespace {
+
+using isoserve::TileConfig;
+using isoserve::load_tile_config;
 
 constexpr int64_t kTileLine = 64;      // bytes per tile line: 32 bfloat16 or 16 float32
 constexpr int64_t kRowsPerChunk = 32;  // x rows per pass: two 16-row A tiles
@@ -45,10 +50,6 @@ constexpr int64_t kRowsPerChunk = 32;  // x rows per pass: two 16-row A tiles
 // decode steps alternating old and new kernels in one engine run took 15% / 8% / 5% less at
 // batch 8 / 16 / 32. (A prefetch past the end of the weights is harmless: it never faults.)
 constexpr int64_t kPrefetchBytes = 2560;
-
-// Compiled for these extensions whatever -march says (the file is built without AMX by
-// default); called only after amx_status() found the CPU and the OS ready for them.
-#define ISOSERVE_AMX __attribute__((target("amx-tile,amx-bf16,avx512f,avx512bw,avx512vl,avx512bf16,f16c,fma")))
 
 std::string probe_amx() {
   unsigned a, b, c, d;
@@ -65,14 +66,6 @@ std::string probe_amx() {
   return "";
 }
 
-struct alignas(64) TileConfig {
-  uint8_t palette = 1;
-  uint8_t start_row = 0;
-  uint8_t reserved[14] = {};
-  uint16_t bytes_per_row[16] = {};
-  uint8_t rows[16] = {};
-};
-
 // Tiles: 0-3 accumulators (x rows 0-15 and 16-31, times output blocks 0 and 1 of a pair),
 // 4-5 the two A tiles of x, 6-7 the B tiles of the two weight blocks.
 ISOSERVE_AMX void configure_tiles(int rows0, int rows1) {
@@ -83,11 +76,7 @@ ISOSERVE_AMX void configure_tiles(int rows0, int rows1) {
     cfg.rows[t] = static_cast<uint8_t>(rows[t]);
     cfg.bytes_per_row[t] = kTileLine;
   }
-  // GCC 12 does not count ldtilecfg as reading its operand: with every field a constant it
-  // dropped the stores above (seen in a scratch kernel, which then faulted on its first tile
-  // load). The barrier keeps them whatever the compiler can prove.
-  asm volatile("" : : "r"(&cfg) : "memory");
-  _tile_loadconfig(&cfg);
+  load_tile_config(cfg);
 }
 
 // Lane i of a line's low half is output row i / 2 of the block, of its high half 8 + i / 2.

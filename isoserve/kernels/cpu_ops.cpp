@@ -666,6 +666,10 @@ std::vector<std::pair<int64_t, int64_t>> check_reads(
 std::string amx_status();
 torch::Tensor q4_1_linear(const torch::Tensor& x, const torch::Tensor& blocks, int64_t out_features);
 torch::Tensor q8_0_linear(const torch::Tensor& x, const torch::Tensor& blocks, int64_t out_features);
+// amx_attention.cpp
+void prefill_attention(const torch::Tensor& q, const torch::Tensor& k_cache, const torch::Tensor& v_cache,
+                       const torch::Tensor& chunks, const torch::Tensor& pages, torch::Tensor& out,
+                       double scale);
 
 PYBIND11_MODULE(TORCH_EXTENSION_NAME, m) {
   m.def("rms_norm", &rms_norm, "RMSNorm of [rows, n] rows");
@@ -683,4 +687,8 @@ PYBIND11_MODULE(TORCH_EXTENSION_NAME, m) {
         py::arg("x"), py::arg("blocks"), py::arg("out_features"));
   m.def("q8_0_linear", &q8_0_linear, "x W^T for Q8_0 weight blocks (model/amx.py), on AMX",
         py::arg("x"), py::arg("blocks"), py::arg("out_features"));
+  m.def("prefill_attention", &prefill_attention,
+        "causal attention of a step's prefill chunks over their pages into out's rows, on AMX",
+        py::arg("q"), py::arg("k_cache"), py::arg("v_cache"), py::arg("chunks"), py::arg("pages"),
+        py::arg("out"), py::arg("scale"));
 }

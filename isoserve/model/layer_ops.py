@@ -4,6 +4,7 @@
   add_rms_norm    the residual add (in place) followed by the next RMSNorm
   rotary_store    RoPE on Q and K from the merged QKV projection; K and V into their pool slots
   decode_attention  single-query attention over each sequence's pages
+  prefill_attention causal attention of each prefill chunk over its pages
   silu_mul        SwiGLU over the merged gate-up projection
   argmax          greedy tokens: each logits row's first maximal index (the sampler's, not a
                   layer's, but the same choice of implementation)
@@ -12,7 +13,8 @@
 the fused CPU kernels (kernels/cpu_ops.cpp), which round where the reference rounds. At batch 1
 the torch versions are ~50 small op calls per layer, a third of the step's time; fused, a
 handful. The decode kernel also reads K and V where they lie in the pool instead of gathering
-a padded copy first.
+a padded copy first. Prefill attention is torch's flash kernel, one chunk at a time, except
+on AMX in bfloat16, where one kernel call takes every chunk of the step (kernels/amx_attention.cpp).
 """
 from __future__ import annotations
 
@@ -21,7 +23,8 @@ import logging
 import torch
 import torch.nn.functional as F
 
-from isoserve.model.paged_attention import StepAttention, decode_attention_torch, write_kv
+from isoserve.model.paged_attention import (StepAttention, decode_attention_torch, prefill_attention_torch,
+                                             write_kv)
 from isoserve.model.rope import apply_rotary
 
 log = logging.getLogger("isoserve.model")
@@ -62,6 +65,7 @@ class TorchOps:
         return q
 
     decode_attention = staticmethod(decode_attention_torch)
+    prefill_attention = staticmethod(prefill_attention_torch)
 
     @staticmethod
     def argmax(logits: torch.Tensor) -> torch.Tensor:
@@ -71,8 +75,9 @@ class TorchOps:
 class FusedOps:
     name = "fused CPU kernels"
 
-    def __init__(self, kernels):
+    def __init__(self, kernels, dtype: torch.dtype):
         self.kernels = kernels  # the read guard uses them too (kv/guard.py)
+        self._amx_prefill = dtype == torch.bfloat16 and kernels.amx_status() == ""
         self.rms_norm = kernels.rms_norm
         self.add_rms_norm = kernels.add_rms_norm
         self.silu_mul = kernels.silu_mul
@@ -86,6 +91,16 @@ class FusedOps:
         return self.kernels.decode_attention(q, k_cache, v_cache, attn.decode_pages,
                                              attn.decode_lens, scale)
 
+    def prefill_attention(self, q: torch.Tensor, k_cache: torch.Tensor, v_cache: torch.Tensor,
+                          attn: StepAttention, scale: float, out: torch.Tensor) -> None:
+        # The AMX kernel's shapes: a head of 32 or 64 dims (its four output tiles), pages of
+        # whole 16-key tiles. Anything else goes to torch's kernel.
+        if self._amx_prefill and q.shape[-1] in (32, 64) and k_cache.shape[2] % 16 == 0:
+            chunks, pages = attn.prefill_tables()
+            self.kernels.prefill_attention(q, k_cache, v_cache, chunks, pages, out, scale)
+        else:
+            prefill_attention_torch(q, k_cache, v_cache, attn, scale, out)
+
 
 def select_ops(device: torch.device, dtype: torch.dtype, fused: bool = True) -> tuple[TorchOps | FusedOps, str]:
     """The fused kernels where asked for, built and applicable; else torch ops, with the reason."""
@@ -98,4 +113,4 @@ def select_ops(device: torch.device, dtype: torch.dtype, fused: bool = True) -> 
     if kernels is None:
         log.warning("%s; running the layers as torch ops", why)
         return TorchOps(), why
-    return FusedOps(kernels), ""
+    return FusedOps(kernels, dtype), ""

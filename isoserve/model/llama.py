@@ -110,7 +110,7 @@ class LlamaModel:
         for i, layer in enumerate(self.layers):
             k_cache, v_cache = pool.layer_cache(i)
             q = ops.rotary_store(layer.qkv(h), cos, sin, k_cache, v_cache, attn.write_slots, cfg.num_heads)
-            a = paged_attention(q, k_cache, v_cache, attn, self.scale, ops.decode_attention)
+            a = paged_attention(q, k_cache, v_cache, attn, self.scale, ops.decode_attention, ops.prefill_attention)
             h = ops.add_rms_norm(x, layer.o(a.reshape(-1, self._q_size)), layer.post_norm, eps)
             mlp = layer.down(ops.silu_mul(layer.gate_up(h)))
             if i + 1 < len(self.layers):  # the residual add, fused with the next layer's norm

@@ -2,8 +2,10 @@
 
 Tokens of all sequences in a step are concatenated ([T, ...]). Single-token queries (decodes)
 are attended as one batch, by the fused kernel that reads pages in place (kernels/cpu_ops.cpp)
-or by `decode_attention_torch`; multi-token queries (prefill chunks) one sequence at a time,
-since their shapes differ. Every read goes through a page table the guard has checked.
+or by `decode_attention_torch`; multi-token queries (prefill chunks) all in one call of the AMX
+kernel (kernels/amx_attention.cpp) where it applies, else one sequence at a time by
+`prefill_attention_torch`, since their shapes differ. Every read goes through a page table the
+guard has checked.
 
 A layer's cache is [kv_heads, pages, page_size, head_dim]: gathering a batch's pages gives
 [kv_heads, batch, keys, head_dim] directly, which batched matmuls take without a copy.
@@ -33,6 +35,7 @@ class StepAttention:
     decode_lens: torch.Tensor    # [Bd] keys each decode attends to, its own included
     prefills: list[PrefillChunk]
     _decode_bias: torch.Tensor | None = field(default=None, repr=False)
+    _prefill_tables: tuple[torch.Tensor, torch.Tensor] | None = field(default=None, repr=False)
 
     def decode_bias(self, page_size: int) -> torch.Tensor:
         """[Bd, M*page_size] float: 0 for real keys, -inf for padding; built once per step."""
@@ -43,8 +46,23 @@ class StepAttention:
                 padding, float("-inf"))
         return self._decode_bias
 
+    def prefill_tables(self) -> tuple[torch.Tensor, torch.Tensor]:
+        """([C, 3] first row, rows and context of each prefill chunk, [C, width] their page
+        tables padded with NO_PAGE), for the kernel that takes them all at once; built once per step."""
+        if self._prefill_tables is None:
+            chunks = torch.tensor([[c.token_start, c.num_tokens, c.context_len] for c in self.prefills],
+                                  dtype=torch.int64).reshape(-1, 3)
+            width = max((c.pages.numel() for c in self.prefills), default=1)
+            pages = torch.full((len(self.prefills), width), -1, dtype=torch.int64)
+            for i, c in enumerate(self.prefills):
+                pages[i, :c.pages.numel()] = c.pages
+            self._prefill_tables = chunks, pages
+        return self._prefill_tables
+
 
 DecodeAttention = Callable[[torch.Tensor, torch.Tensor, torch.Tensor, StepAttention, float], torch.Tensor]
+# (q, k_cache, v_cache, attn, scale, out): writes the prefill chunks' rows of out.
+PrefillAttention = Callable[[torch.Tensor, torch.Tensor, torch.Tensor, StepAttention, float, torch.Tensor], None]
 
 
 def write_kv(k_cache: torch.Tensor, v_cache: torch.Tensor, k: torch.Tensor, v: torch.Tensor,
@@ -55,18 +73,24 @@ def write_kv(k_cache: torch.Tensor, v_cache: torch.Tensor, k: torch.Tensor, v: t
     v_cache.view(heads, -1, dim).index_copy_(1, slots, v.transpose(0, 1))
 
 
-def paged_attention(q: torch.Tensor, k_cache: torch.Tensor, v_cache: torch.Tensor,
-                    attn: StepAttention, scale: float, decode_attention: DecodeAttention) -> torch.Tensor:
+def paged_attention(q: torch.Tensor, k_cache: torch.Tensor, v_cache: torch.Tensor, attn: StepAttention,
+                    scale: float, decode_attention: DecodeAttention,
+                    prefill_attention: PrefillAttention) -> torch.Tensor:
     """q: [T, heads, head_dim]; caches: [kv_heads, pages, page_size, head_dim] -> [T, heads, head_dim]."""
     if not attn.prefills:
         return decode_attention(q, k_cache, v_cache, attn, scale)
     out = torch.empty_like(q)
     if attn.decode_rows.numel():
         out[attn.decode_rows] = decode_attention(q[attn.decode_rows], k_cache, v_cache, attn, scale)
+    prefill_attention(q, k_cache, v_cache, attn, scale, out)
+    return out
+
+
+def prefill_attention_torch(q, k_cache, v_cache, attn: StepAttention, scale, out) -> None:
+    """Each prefill chunk by torch's scaled_dot_product_attention, one at a time."""
     for chunk in attn.prefills:
         rows = slice(chunk.token_start, chunk.token_start + chunk.num_tokens)
         out[rows] = _prefill_attention(q[rows], k_cache, v_cache, chunk, scale)
-    return out
 
 
 def _gather(cache: torch.Tensor, pages: torch.Tensor) -> torch.Tensor:

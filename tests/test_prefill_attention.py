@@ -1,0 +1,183 @@
+"""The AMX prefill attention kernel (kernels/amx_attention.cpp) and the ops that choose it.
+
+It must give each chunk's causal attention as exactly as torch's own bfloat16 path does,
+against a float64 definition; read only the first `context` keys of each chunk's pages (every
+other slot of the pool holds NaN here, so a stray read shows); write only the chunks' rows; give
+the same bits on any number of threads and for any split of a prompt into chunks; and refuse
+inputs it cannot take before reading anything. On a CPU without AMX the kernel refuses every
+call and the ops take torch's path.
+"""
+from __future__ import annotations
+
+import pytest
+import torch
+
+from isoserve.kernels import cpu_ops
+from isoserve.model.layer_ops import FusedOps
+from isoserve.model.paged_attention import PrefillChunk, StepAttention, prefill_attention_torch
+from tiny_models import HAS_AMX
+
+PAGE = 16
+SCALE = 0.125
+# (query heads, KV heads, head_dim): the default model's, plain multi-head, a wide group, 32 dims
+SHAPES = [(9, 3, 64), (4, 4, 64), (8, 1, 32)]
+# Each chunk: (rows, context); a context past the rows is a later chunk of a longer prompt.
+CASES = {
+    "one prompt": [(100, 100)],
+    "a wave of prompts": [(37, 37), (16, 16), (5, 5), (64, 64)],
+    "later chunks": [(17, 40), (33, 200), (1, 77)],
+    "long": [(300, 300), (48, 560)],
+}
+
+
+def _case(chunks, shape, seed=0, pages=90):
+    """q for the chunks' rows plus two rows of no chunk at each end; pages chosen at random;
+    every pool slot outside the chunks' first `context` keys is NaN."""
+    heads, kv_heads, dim = shape
+    g = torch.Generator().manual_seed(seed)
+    k = torch.randn(kv_heads, pages, PAGE, dim, generator=g).to(torch.bfloat16)
+    v = torch.randn(kv_heads, pages, PAGE, dim, generator=g).to(torch.bfloat16)
+    readable = torch.zeros(pages, PAGE, dtype=torch.bool)
+    order = torch.randperm(pages, generator=g).tolist()
+    rows = 2 + sum(r for r, _ in chunks) + 2
+    q = torch.randn(rows, heads, dim, generator=g).to(torch.bfloat16)
+    prefills, row = [], 2
+    for n, ctx in chunks:
+        used = [order.pop() for _ in range(-(-ctx // PAGE))]
+        for j in range(ctx):
+            readable[used[j // PAGE], j % PAGE] = True
+        prefills.append(PrefillChunk(row, n, ctx, torch.tensor(used)))
+        row += n
+    k[:, ~readable] = float("nan")
+    v[:, ~readable] = float("nan")
+    attn = StepAttention(write_slots=torch.zeros(0, dtype=torch.int64), decode_rows=torch.zeros(0, dtype=torch.int64),
+                         decode_pages=torch.zeros(0, 1, dtype=torch.int64),
+                         decode_lens=torch.zeros(0, dtype=torch.int64), prefills=prefills)
+    return q, k, v, attn
+
+
+def _gold(q, k, v, attn):
+    """float64, chunk by chunk, straight from the definition: query i of a chunk sits at
+    position context - rows + i and attends to keys 0 .. that position."""
+    out = torch.zeros(q.shape, dtype=torch.float64)
+    heads, kv_heads, dim = q.shape[1], k.shape[0], k.shape[-1]
+    for c in attn.prefills:
+        keys = k[:, c.pages].reshape(kv_heads, -1, dim)[:, :c.context_len].double()
+        vals = v[:, c.pages].reshape(kv_heads, -1, dim)[:, :c.context_len].double()
+        keys = keys.repeat_interleave(heads // kv_heads, 0)
+        vals = vals.repeat_interleave(heads // kv_heads, 0)
+        qs = q[c.token_start:c.token_start + c.num_tokens].double().transpose(0, 1)
+        scores = qs @ keys.transpose(1, 2) * SCALE
+        position = torch.arange(c.context_len - c.num_tokens, c.context_len)[:, None]
+        scores = scores.masked_fill(torch.arange(c.context_len)[None, :] > position, float("-inf"))
+        out[c.token_start:c.token_start + c.num_tokens] = (torch.softmax(scores, -1) @ vals).transpose(0, 1)
+    return out
+
+
+def _kernel(q, k, v, attn, fill=0.0):
+    out = torch.full_like(q, fill)
+    chunks, pages = attn.prefill_tables()
+    cpu_ops().prefill_attention(q, k, v, chunks, pages, out, SCALE)
+    return out
+
+
+def _torch_path(q, k, v, attn):
+    out = torch.zeros_like(q)
+    prefill_attention_torch(q, k, v, attn, SCALE, out)
+    return out
+
+
+def _chunk_rows(attn) -> torch.Tensor:
+    rows = torch.zeros(0, dtype=torch.int64)
+    for c in attn.prefills:
+        rows = torch.cat([rows, torch.arange(c.token_start, c.token_start + c.num_tokens)])
+    return rows
+
+
+def _refused_without_amx(q, k, v, attn) -> bool:
+    """True (after checking the refusal) where the CPU has no AMX, so the caller stops there."""
+    if HAS_AMX:
+        return False
+    with pytest.raises(RuntimeError, match="needs AMX"):
+        _kernel(q, k, v, attn)
+    return True
+
+
+@pytest.mark.parametrize("shape", SHAPES, ids=str)
+@pytest.mark.parametrize("case", CASES, ids=str)
+def test_kernel_reads_only_its_keys_writes_only_its_rows_and_is_as_exact_as_torch(case, shape):
+    q, k, v, attn = _case(CASES[case], shape)
+    if _refused_without_amx(q, k, v, attn):
+        return
+    gold = _gold(q, k, v, attn)
+    out = _kernel(q, k, v, attn, fill=7.0)
+    rows = _chunk_rows(attn)
+    others = torch.ones(q.shape[0], dtype=torch.bool)
+    others[rows] = False
+    assert torch.all(out[others] == 7.0), "the kernel wrote rows outside its chunks"
+    assert torch.isfinite(out[rows]).all(), "a NaN slot outside the chunks' keys was read"
+    kernel_error = (out[rows].double() - gold[rows]).abs().max().item()
+    torch_error = (_torch_path(q, k, v, attn)[rows].double() - gold[rows]).abs().max().item()
+    # Both round the output to bfloat16 (up to ~4e-3 here); the kernel also rounds the
+    # probabilities to bfloat16 for the value product.
+    assert kernel_error <= 2 * torch_error + 1e-3, (kernel_error, torch_error)
+
+
+def test_same_bits_on_any_thread_count_and_for_any_split_into_chunks():
+    q, k, v, attn = _case([(130, 130)], SHAPES[0], seed=3)
+    if _refused_without_amx(q, k, v, attn):
+        return
+    threads = torch.get_num_threads()
+    try:
+        results = []
+        for n in (1, 2, 3):
+            torch.set_num_threads(n)
+            results.append(_kernel(q, k, v, attn))
+    finally:
+        torch.set_num_threads(threads)
+    assert all(torch.equal(r, results[0]) for r in results)
+    # The same prompt as three chunks (50, 1 and 79 tokens) over the same pages, in one call.
+    whole = attn.prefills[0]
+    split = [PrefillChunk(whole.token_start, 50, 50, whole.pages[:4]),
+             PrefillChunk(whole.token_start + 50, 1, 51, whole.pages[:4]),
+             PrefillChunk(whole.token_start + 51, 79, 130, whole.pages)]
+    pieces = StepAttention(write_slots=attn.write_slots, decode_rows=attn.decode_rows, decode_pages=attn.decode_pages,
+                           decode_lens=attn.decode_lens, prefills=split)
+    assert torch.equal(_kernel(q, k, v, pieces), results[0])
+
+
+def test_fused_ops_take_the_kernel_only_where_it_applies():
+    fused = FusedOps(cpu_ops(), torch.bfloat16)
+    q, k, v, attn = _case(CASES["a wave of prompts"], SHAPES[0], seed=4)
+    out = torch.zeros_like(q)
+    fused.prefill_attention(q, k, v, attn, SCALE, out)
+    assert torch.equal(out, _kernel(q, k, v, attn) if HAS_AMX else _torch_path(q, k, v, attn))
+    # A head of 128 dims: torch's path, whatever the CPU.
+    q, k, v, attn = _case([(20, 20)], (4, 2, 128), seed=5)
+    out = torch.zeros_like(q)
+    fused.prefill_attention(q, k, v, attn, SCALE, out)
+    assert torch.equal(out, _torch_path(q, k, v, attn))
+
+
+def test_kernel_refuses_what_it_cannot_take():
+    q, k, v, attn = _case([(20, 20), (10, 40)], SHAPES[0], seed=6)
+    chunks, pages = attn.prefill_tables()
+    out = torch.zeros_like(q)
+    outside_pool = pages.clone()
+    outside_pool[1, 1] = k.shape[1]
+    bad = {
+        "page": (q, k, v, chunks, outside_pool, out),
+        "keys from a": (q, k, v, torch.tensor([[2, 20, 20], [22, 10, 40 + PAGE * 3]]), pages, out),
+        "outside the step": (q, k, v, torch.tensor([[2, 20, 20], [q.shape[0] - 5, 10, 40]]), pages, out),
+        "overlap": (q, k, v, torch.tensor([[2, 20, 20], [12, 10, 40]]), pages, out),
+        "reads 5 keys": (q, k, v, torch.tensor([[2, 20, 20], [22, 10, 5]]), pages, out),
+        "bfloat16": (q.float(), k, v, chunks, pages, out),
+        "head_dim": (q[..., :48].contiguous(), k[..., :48].contiguous(), v[..., :48].contiguous(), chunks, pages,
+                     out[..., :48].contiguous()),
+        "multiple of 16 keys": (q, k.reshape(3, -1, 8, 64), v.reshape(3, -1, 8, 64), chunks, pages, out),
+    }
+    for what, args in bad.items():
+        expected = what if HAS_AMX else "needs AMX"
+        with pytest.raises(RuntimeError, match=expected):
+            cpu_ops().prefill_attention(*args, SCALE)
+    assert torch.all(out == 0)
