@@ -148,6 +148,9 @@ def test_same_bits_on_any_thread_count_and_for_any_split_into_chunks():
 
 def test_fused_ops_take_the_kernel_only_where_it_applies():
     fused = FusedOps(cpu_ops(), torch.bfloat16)
+    assert fused.amx_prefill_for(64, PAGE) == HAS_AMX and fused.amx_prefill_for(32, 2 * PAGE) == HAS_AMX
+    assert not fused.amx_prefill_for(128, PAGE) and not fused.amx_prefill_for(64, 8)
+    assert not FusedOps(cpu_ops(), torch.float32).amx_prefill_for(64, PAGE)
     q, k, v, attn = _case(CASES["a wave of prompts"], SHAPES[0], seed=4)
     out = torch.zeros_like(q)
     fused.prefill_attention(q, k, v, attn, SCALE, out)

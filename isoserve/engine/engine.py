@@ -95,7 +95,9 @@ class Engine:
 
     def _ops_summary(self) -> str:
         note = self.model.ops_note
-        return self.model.ops.name + (f" ({note})" if note else "")
+        ops = self.model.ops
+        prefill = ", prefill attention on AMX" if ops.amx_prefill_for(self.model.cfg.head_dim, self.pool.page_size) else ""
+        return ops.name + prefill + (f" ({note})" if note else "")
 
     # ---- limits -------------------------------------------------------------------------
     @property

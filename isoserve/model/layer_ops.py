@@ -68,6 +68,10 @@ class TorchOps:
     prefill_attention = staticmethod(prefill_attention_torch)
 
     @staticmethod
+    def amx_prefill_for(head_dim: int, page_size: int) -> bool:
+        return False
+
+    @staticmethod
     def argmax(logits: torch.Tensor) -> torch.Tensor:
         return logits.argmax(dim=-1)
 
@@ -91,11 +95,14 @@ class FusedOps:
         return self.kernels.decode_attention(q, k_cache, v_cache, attn.decode_pages,
                                              attn.decode_lens, scale)
 
+    def amx_prefill_for(self, head_dim: int, page_size: int) -> bool:
+        """Whether prefill attention runs on AMX for this shape: the kernel takes a head of 32 or
+        64 dims (its four output tiles) and pages of whole 16-key tiles; torch's kernel the rest."""
+        return self._amx_prefill and head_dim in (32, 64) and page_size % 16 == 0
+
     def prefill_attention(self, q: torch.Tensor, k_cache: torch.Tensor, v_cache: torch.Tensor,
                           attn: StepAttention, scale: float, out: torch.Tensor) -> None:
-        # The AMX kernel's shapes: a head of 32 or 64 dims (its four output tiles), pages of
-        # whole 16-key tiles. Anything else goes to torch's kernel.
-        if self._amx_prefill and q.shape[-1] in (32, 64) and k_cache.shape[2] % 16 == 0:
+        if self.amx_prefill_for(q.shape[-1], k_cache.shape[2]):
             chunks, pages = attn.prefill_tables()
             self.kernels.prefill_attention(q, k_cache, v_cache, chunks, pages, out, scale)
         else:
