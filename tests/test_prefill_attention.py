@@ -2,7 +2,9 @@
 
 It must give each chunk's causal attention as exactly as torch's own bfloat16 path does,
 against a float64 definition; read only the first `context` keys of each chunk's pages (every
-other slot of the pool holds NaN here, so a stray read shows); write only the chunks' rows; give
+other slot of the pool holds NaN here: a value read from one turns the output NaN, and the
+kernel copies the keys of a chunk's last tile rather than load past its context, since a score
+read there would be masked out and go unseen); write only the chunks' rows; give
 the same bits on any number of threads and for any split of a prompt into chunks; and refuse
 inputs it cannot take before reading anything. On a CPU without AMX the kernel refuses every
 call and the ops take torch's path.
