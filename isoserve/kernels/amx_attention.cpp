@@ -31,13 +31,13 @@
 #include <ATen/Parallel.h>
 
 #include <algorithm>
-#include <cmath>
 #include <cstring>
 #include <limits>
 #include <memory>
 #include <vector>
 
 #include "amx.h"
+#include "page_reads.h"
 
 namespace {
 
@@ -291,12 +291,10 @@ ISOSERVE_AMX void attend_block(const uint16_t* q, const uint16_t* kc, uint16_t* 
   lay_out_queries(block_q, s.row_stride, valid, D, w.queries);
   _tile_loadd(6, w.queries, kLine);
   if constexpr (kSlices > 1) _tile_loadd(7, w.queries + kTileElems / 2, kLine);
-  // Scores for whole 16-key blocks up to the last one seen (the values' 32-key blocks may add
-  // one more, whose probabilities are all zero).
-  const int64_t key_blocks16 = ceil_div(keys, kBlock);
-  const __m512 top = score<kSlices>(c, s, kc, g, key_blocks16, first, w.scores.data());
-  if (key_blocks16 < 2 * key_blocks32)
-    std::fill(w.scores.begin() + key_blocks16 * kBlock * kBlock, w.scores.begin() + key_blocks32 * 32 * kBlock, 0.0f);
+  // Scores for whole 16-key blocks up to the last one seen. The values' 32-key blocks may add
+  // one more: its scores are whatever the buffer held, but every query's mask zeroes its
+  // probabilities (and its values are zeros).
+  const __m512 top = score<kSlices>(c, s, kc, g, ceil_div(keys, kBlock), first, w.scores.data());
   __m512 sums = _mm512_setzero_ps();
   _tile_zero(0);
   _tile_zero(1);
@@ -420,11 +418,8 @@ void prefill_attention(const torch::Tensor& q, const torch::Tensor& k_cache, con
     const int64_t first = desc[3 * c], rows = desc[3 * c + 1], context = desc[3 * c + 2];
     TORCH_CHECK(rows >= 1 && first >= 0 && first + rows <= T, "chunk ", c, " has rows [", first, ", ",
                 first + rows, ") outside the step's ", T, " tokens");
-    TORCH_CHECK(context >= rows && context <= width * s.page_size,
-                "chunk ", c, " reads ", context, " keys from a ", width, "-page table");
     const int64_t* row = table + c * width;
-    for (int64_t p = 0; p * s.page_size < context; ++p)
-      TORCH_CHECK(row[p] >= 0 && row[p] < s.num_pages, "page ", row[p], " is outside the pool");
+    isoserve::check_page_reads(row, width, context, rows, s.page_size, s.num_pages, "chunk", c);
     const int64_t blocks = ceil_div(context, 32);
     list.push_back({first, rows, context, row, blocks, nullptr, nullptr});
     scratch += s.kv_heads * (blocks * 32 + kBlock) * s.dim;

@@ -23,6 +23,8 @@
 #include <type_traits>
 #include <vector>
 
+#include "page_reads.h"
+
 #if defined(__AVX512BF16__)
 #include <immintrin.h>
 #endif
@@ -553,13 +555,8 @@ torch::Tensor decode_attention(const torch::Tensor& q, const torch::Tensor& k_ca
   const int64_t width = pages.size(1);
   const int64_t* table = pages.data_ptr<int64_t>();
   const int64_t* len = lens.data_ptr<int64_t>();
-  for (int64_t b = 0; b < batch; ++b) {
-    TORCH_CHECK(len[b] >= 1 && len[b] <= width * page_size,
-                "sequence ", b, " reads ", len[b], " keys from a ", width, "-page table");
-    for (int64_t p = 0; p * page_size < len[b]; ++p)
-      TORCH_CHECK(table[b * width + p] >= 0 && table[b * width + p] < num_pages,
-                  "page ", table[b * width + p], " is outside the pool");
-  }
+  for (int64_t b = 0; b < batch; ++b)
+    isoserve::check_page_reads(table + b * width, width, len[b], 1, page_size, num_pages, "sequence", b);
   auto out = torch::empty_like(q);
   ISOSERVE_DISPATCH(q.scalar_type(), [&] {
     decode_attention_impl<scalar_t>(q.data_ptr<scalar_t>(), k_cache.data_ptr<scalar_t>(),

@@ -18,6 +18,8 @@ from typing import Callable
 import torch
 import torch.nn.functional as F
 
+from isoserve.kv.pool import page_tables
+
 
 @dataclass
 class PrefillChunk:
@@ -52,11 +54,8 @@ class StepAttention:
         if self._prefill_tables is None:
             chunks = torch.tensor([[c.token_start, c.num_tokens, c.context_len] for c in self.prefills],
                                   dtype=torch.int64).reshape(-1, 3)
-            width = max((c.pages.numel() for c in self.prefills), default=1)
-            pages = torch.full((len(self.prefills), width), -1, dtype=torch.int64)
-            for i, c in enumerate(self.prefills):
-                pages[i, :c.pages.numel()] = c.pages
-            self._prefill_tables = chunks, pages
+            tables = [c.pages.tolist() for c in self.prefills]
+            self._prefill_tables = chunks, page_tables(tables, max(map(len, tables), default=1))
         return self._prefill_tables
 
 
