@@ -23,6 +23,7 @@
 #include <type_traits>
 #include <vector>
 
+#include "bf16x16.h"
 #include "page_reads.h"
 
 #if defined(__AVX512BF16__)
@@ -110,18 +111,49 @@ void check_index(const torch::Tensor& t, const char* name) {
 // Reference: w * (x.float() * rsqrt(mean(x.float()^2) + eps)).to(dtype), rounded after the
 // normalization and again after the weight, as Llama's reference implementation does.
 
+#if ISOSERVE_BF16X16
+// One row of rms_norm_rows in bfloat16, n a multiple of 16: the residual add, the sum of squares
+// in the same 16 lanes summed by the same tree, and the output, as the scalar loops compute them.
+inline void rms_norm_row_bf16(c10::BFloat16* x, const c10::BFloat16* y, const c10::BFloat16* w,
+                              c10::BFloat16* out, int64_t n, float eps) {
+  using namespace isoserve;
+  __m512 squares = _mm512_setzero_ps();
+  for (int64_t i = 0; i < n; i += kLanes) {
+    __m512 v = load_bf16x16(x + i);
+    if (y != nullptr) {
+      const __m512 sum = _mm512_add_ps(v, load_bf16x16(y + i));
+      store_bf16x16(x + i, sum);
+      v = round_bf16x16(sum);
+    }
+    squares = _mm512_fmadd_ps(v, v, squares);
+  }
+  float lanes[kLanes];
+  _mm512_storeu_ps(lanes, squares);
+  const __m512 inv = _mm512_set1_ps(1.0f / std::sqrt(sum_lanes(lanes) / static_cast<float>(n) + eps));
+  for (int64_t i = 0; i < n; i += kLanes)
+    store_bf16x16(out + i, _mm512_mul_ps(load_bf16x16(w + i), round_bf16x16(_mm512_mul_ps(load_bf16x16(x + i), inv))));
+}
+#endif
+
 template <typename T>
 void rms_norm_rows(T* x, const T* residual_in, const T* w, T* out, int64_t rows, int64_t n,
                    float eps) {
   at::parallel_for(0, rows, 1, [&](int64_t begin, int64_t end) {
     for (int64_t r = begin; r < end; ++r) {
       T* xr = x + r * n;
-      if (residual_in != nullptr) {  // x += y, rounded as torch's add rounds
-        const T* yr = residual_in + r * n;
-        for (int64_t i = 0; i < n; ++i) xr[i] = static_cast<T>(f32(xr[i]) + f32(yr[i]));
-      }
-      const float inv = 1.0f / std::sqrt(sum_of_squares(xr, n) / static_cast<float>(n) + eps);
       T* o = out + r * n;
+      const T* yr = residual_in != nullptr ? residual_in + r * n : nullptr;
+#if ISOSERVE_BF16X16
+      if constexpr (std::is_same_v<T, c10::BFloat16>) {
+        if (n % kLanes == 0) {
+          rms_norm_row_bf16(xr, yr, w, o, n, eps);
+          continue;
+        }
+      }
+#endif
+      if (yr != nullptr)  // x += y, rounded as torch's add rounds
+        for (int64_t i = 0; i < n; ++i) xr[i] = static_cast<T>(f32(xr[i]) + f32(yr[i]));
+      const float inv = 1.0f / std::sqrt(sum_of_squares(xr, n) / static_cast<float>(n) + eps);
       for (int64_t i = 0; i < n; ++i) o[i] = static_cast<T>(f32(w[i]) * round_to<T>(f32(xr[i]) * inv));
     }
   });
@@ -169,7 +201,19 @@ void silu_mul_rows(const T* in, T* out, int64_t rows, int64_t n) {
       const T* g = in + r * 2 * n;
       const T* u = g + n;
       T* o = out + r * n;
-      for (int64_t i = 0; i < n; ++i) {
+      int64_t i = 0;
+#if ISOSERVE_BF16X16
+      if constexpr (std::is_same_v<T, c10::BFloat16>) {
+        using namespace isoserve;
+        const __m512 one = _mm512_set1_ps(1.0f), sign = _mm512_set1_ps(-0.0f);
+        for (; i + kLanes <= n; i += kLanes) {
+          const __m512 x = load_bf16x16(g + i);
+          const __m512 silu = round_bf16x16(_mm512_div_ps(x, _mm512_add_ps(one, exp16(_mm512_xor_ps(x, sign)))));
+          store_bf16x16(o + i, _mm512_mul_ps(silu, load_bf16x16(u + i)));
+        }
+      }
+#endif
+      for (; i < n; ++i) {
         const float x = f32(g[i]);
         o[i] = static_cast<T>(round_to<T>(x / (1.0f + fast_exp(-x))) * f32(u[i]));
       }
@@ -196,6 +240,22 @@ torch::Tensor silu_mul(const torch::Tensor& gate_up) {
 template <typename T>
 inline void rotate(const T* x, const T* c, const T* s, T* out, int64_t dim) {
   const int64_t half = dim / 2;
+#if ISOSERVE_BF16X16
+  if constexpr (std::is_same_v<T, c10::BFloat16>) {
+    if (half % kLanes == 0) {
+      using namespace isoserve;
+      const __m512 sign = _mm512_set1_ps(-0.0f);
+      for (int64_t d = 0; d < half; d += kLanes) {
+        const __m512 low = load_bf16x16(x + d), high = load_bf16x16(x + d + half);
+        store_bf16x16(out + d, _mm512_add_ps(round_bf16x16(_mm512_mul_ps(low, load_bf16x16(c + d))),
+                                             round_bf16x16(_mm512_mul_ps(_mm512_xor_ps(high, sign), load_bf16x16(s + d)))));
+        store_bf16x16(out + d + half, _mm512_add_ps(round_bf16x16(_mm512_mul_ps(high, load_bf16x16(c + d + half))),
+                                                    round_bf16x16(_mm512_mul_ps(low, load_bf16x16(s + d + half)))));
+      }
+      return;
+    }
+  }
+#endif
   for (int64_t d = 0; d < half; ++d)
     out[d] = static_cast<T>(round_to<T>(f32(x[d]) * f32(c[d])) + round_to<T>(-f32(x[d + half]) * f32(s[d])));
   for (int64_t d = half; d < dim; ++d)
@@ -443,7 +503,12 @@ void attend(const T* q, const T* kc, const T* vc, const int64_t* pages, const in
         for (int64_t j = 0; j < kLanes; ++j) tops[j] = std::max(tops[j], sc[i + j]);
       for (; i < len; ++i) top = std::max(top, sc[i]);
       for (int64_t j = 0; j < kLanes; ++j) top = std::max(top, tops[j]);
-      for (int64_t t = 0; t < len; ++t) sc[t] = fast_exp(sc[t] - top);
+      int64_t e = 0;
+#if ISOSERVE_BF16X16
+      for (const __m512 top16 = _mm512_set1_ps(top); e + kLanes <= len; e += kLanes)
+        _mm512_storeu_ps(sc + e, isoserve::exp16(_mm512_sub_ps(_mm512_loadu_ps(sc + e), top16)));
+#endif
+      for (; e < len; ++e) sc[e] = fast_exp(sc[e] - top);
       float lanes[kLanes] = {0}, sum = 0;
       int64_t t = 0;
       for (; t + kLanes <= len; t += kLanes)
