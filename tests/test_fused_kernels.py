@@ -67,8 +67,9 @@ def _caches(dtype, pages=12, page_size=4, kv_heads=2, dim=16, seed=0):
 
 
 @pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])
-def test_rotary_store_matches_torch_and_writes_only_its_slots(fused, dtype):
-    heads, kv_heads, dim, tokens = 4, 2, 16, 5
+@pytest.mark.parametrize("dim", [16, 64])  # 64: halves of whole 16-lane vectors (kernels/bf16x16.h)
+def test_rotary_store_matches_torch_and_writes_only_its_slots(fused, dtype, dim):
+    heads, kv_heads, tokens = 4, 2, 5
     g = torch.Generator().manual_seed(1)
     qkv = torch.randn(tokens, (heads + 2 * kv_heads) * dim, generator=g).to(dtype)
     angles = torch.rand(tokens, 1, dim, generator=g) * 6
@@ -86,7 +87,7 @@ def test_rotary_store_matches_torch_and_writes_only_its_slots(fused, dtype):
         _close(k_fused, k_ref, dtype)
         untouched = torch.ones(k_ref.shape[1] * k_ref.shape[2], dtype=torch.bool)
         untouched[slots] = False
-        assert torch.equal(k_fused.view(2, -1, 16)[:, untouched], k_ref.view(2, -1, 16)[:, untouched])
+        assert torch.equal(k_fused.view(2, -1, dim)[:, untouched], k_ref.view(2, -1, dim)[:, untouched])
 
 
 # (query heads, KV heads, head_dim): a shape read at run time; the default model's, which the
