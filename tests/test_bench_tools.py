@@ -100,3 +100,18 @@ def test_prefill_times_each_engine_on_every_prompt(tiny_llama_dir, tmp_path, cap
         assert result["tokens_per_s"] == pytest.approx(24 / result["median_seconds"])
     assert data["ratios"]["isoserve/transformers"] == pytest.approx(
         data["results"]["isoserve"]["tokens_per_s"] / data["results"]["transformers"]["tokens_per_s"])
+
+
+def test_the_router_and_the_bench_client_run_on_uvloop():
+    """event_loop.run is the loop `isoserve serve`, `isoserve bench`, the soak and the probe run
+    on: uvloop, which the install brings (pyproject), not asyncio's slower default."""
+    import asyncio
+
+    import uvloop
+
+    from isoserve import event_loop
+
+    async def loop_type():
+        return type(asyncio.get_running_loop())
+
+    assert event_loop.run(loop_type()) is uvloop.Loop

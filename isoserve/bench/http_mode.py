@@ -6,7 +6,6 @@
 """
 from __future__ import annotations
 
-import asyncio
 import random
 import time
 from datetime import datetime, timezone
@@ -14,6 +13,7 @@ from datetime import datetime, timezone
 import httpx
 from tqdm.auto import tqdm
 
+from isoserve import event_loop
 from isoserve.bench import load, report
 from isoserve.bench.calibrate import calibrate
 from isoserve.bench.client import RequestRecord, completion_body, stream_completion
@@ -44,7 +44,7 @@ def requests_for(setting: dict, num_requests: int | None) -> int:
 
 
 def run_http(args) -> dict:
-    return asyncio.run(_run(args))
+    return event_loop.run(_run(args))
 
 
 async def _run(args) -> dict:

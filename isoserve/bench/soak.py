@@ -41,6 +41,7 @@ from pathlib import Path
 
 import httpx
 
+from isoserve import event_loop
 from isoserve.bench.calibrate import Calibration, calibrate
 from isoserve.bench.soak_report import (Kill, SoakRecord, SoakResult, exit_status, render_table,
                                         summarize, write_json)
@@ -561,7 +562,7 @@ def run_soak(args) -> int:
     try:
         cfg = config_from_args(args)
         check_loopback(cfg.base_url)
-        result = asyncio.run(Soak(cfg).run())
+        result = event_loop.run(Soak(cfg).run())
     except SoakError as e:
         print(f"bench --soak: {e}", file=sys.stderr)
         return 2

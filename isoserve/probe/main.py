@@ -8,11 +8,11 @@ Exit status: 0 no findings, 1 findings, 2 the probe could not run.
 from __future__ import annotations
 
 import argparse
-import asyncio
 import logging
 import sys
 import traceback
 
+from isoserve import event_loop
 from isoserve.probe.http import Endpoint, ProbeError
 from isoserve.probe.runner import SCENARIOS, Options, Probe
 from isoserve.probe.report import render_table, write_json
@@ -95,7 +95,7 @@ def run(args) -> int:
                           fuzzy_threshold=args.fuzzy_threshold, timeout=args.timeout,
                           max_model_len=args.max_model_len, token_id_range=args.token_id_range,
                           force_text=args.text_prompts, seed=args.seed)
-        result = asyncio.run(_run(args, keys, victims, attackers, options, log))
+        result = event_loop.run(_run(args, keys, victims, attackers, options, log))
     except ProbeError as e:
         print(f"probe could not run: {e}", file=sys.stderr)
         return 2

@@ -10,6 +10,7 @@ import sys
 import tempfile
 from pathlib import Path
 
+from isoserve import event_loop
 from isoserve.config import EngineConfig, parse_dtype
 
 log = logging.getLogger("isoserve.serve")
@@ -109,7 +110,7 @@ def check_config(args) -> int:
 # ---- serve --------------------------------------------------------------------------------
 def serve(args) -> int:
     try:
-        return asyncio.run(_serve(args))
+        return event_loop.run(_serve(args))
     except KeyboardInterrupt:
         return 0
 
