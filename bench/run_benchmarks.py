@@ -9,6 +9,9 @@ Parts (each result is a ratio against its peer measured in the same run):
     offline   `isoserve bench --offline`: LLM.generate vs transformers generate (and generate_batch)
     serve     `isoserve serve` disaggregated (cores split) vs the same with cores by turns vs
               --mode aggregated, concurrency 1, 16 and 32
+    target    issue 6's HTTP target, interleaved: rounds of transformers generate at batch 32
+              (with isoserve's offline batch 32), then a fresh disaggregated server at 32
+              concurrent, so each round's ratio compares moments minutes apart at most
     guards    guards on vs all off, transfer checksums off, --scrub-freed-pages; concurrency 32
     transfer  KV transfer MB/s from the disaggregated server's /metrics vs raw pyzmq, same shapes
     llamacpp  llama.cpp's llama-server (-np 32 -cb, same GGUF) vs `isoserve serve` disaggregated,
@@ -46,7 +49,7 @@ from isoserve.bench.machine import describe, machine_facts  # noqa: E402
 from isoserve.bench.plot import plot_runs  # noqa: E402
 from isoserve.config import GUARD_NAMES  # noqa: E402
 
-PARTS = ("offline", "serve", "guards", "transfer", "llamacpp", "prefill", "roofline")
+PARTS = ("offline", "serve", "target", "guards", "transfer", "llamacpp", "prefill", "roofline")
 TITLE = "# Benchmarks"
 PAGE_SIZE = 16  # isoserve serve's default, which these runs keep
 
@@ -63,6 +66,8 @@ class Plan:
     guard_concurrency: int = 32
     num_requests: int | None = None  # isoserve bench's default: 4 x concurrency, at least 16
     guard_rounds: int = 2
+    target_rounds: int = 3
+    target_batch: int = 32
     zmq_messages: int = 50
     llama_concurrency: str = "1,32"
     llama_slots: int = 32
@@ -75,10 +80,12 @@ class Plan:
     @classmethod
     def make(cls, args) -> Plan:
         if not args.quick:
-            return cls(args.model, args.dtype, False, guard_rounds=args.guard_rounds or 2)
+            return cls(args.model, args.dtype, False, guard_rounds=args.guard_rounds or 2,
+                       target_rounds=args.target_rounds or 3)
         return cls(args.model, args.dtype, True, output_tokens=16, offline_batches="1,2",
                    serve_concurrency="1,4", guard_concurrency=4, num_requests=8,
-                   guard_rounds=args.guard_rounds or 1, zmq_messages=20,
+                   guard_rounds=args.guard_rounds or 1, target_rounds=args.target_rounds or 1,
+                   target_batch=4, zmq_messages=20,
                    llama_concurrency="1,4", prefill_tokens=512, prefill_repeats=1,
                    roofline_batches="1,4", roofline_mib=128)
 
@@ -227,6 +234,49 @@ def part_serve(run: Run) -> str:
             f"per request.\n\n"
             + md_table(headers, rows) + f"\n\n![throughput and latency]({plot.name})")
     return section("Disaggregated vs aggregated serving (issues 3 and 6)", run, commands, body)
+
+
+def part_target(run: Run) -> str:
+    """Issue 6's first target, HTTP at 32 concurrent >= 3x transformers `generate` at batch 32,
+    with the two measured minutes apart at most: on these shared VMs a whole run drifts by
+    30% or more, more than the margin the target is read at."""
+    p = run.plan
+    rounds, commands = [], []
+    for r in range(p.target_rounds):
+        out = run.work / f"target-offline-round{r + 1}.json"
+        offline_cmd = isoserve_cmd("bench", "--offline", "--model", p.model, "--dtype", p.dtype,
+                                   "--batch", str(p.target_batch), "--prompt-tokens", str(p.prompt_tokens),
+                                   "--output-tokens", str(p.output_tokens), "--peers", "transformers",
+                                   "--json", str(out))
+        subprocess.run(offline_cmd, check=True, env=child_env())
+        offline = json.loads(out.read_text())["results"][0]
+        label = f"target-http-round{r + 1}"
+        with run.serve(label, "--mode", "disaggregated") as server:
+            data, bench_cmd = run.bench(server, label, str(p.target_batch))
+            if r == 0:
+                commands = [run.show(offline_cmd), run.show(server.command), bench_cmd]
+        http = data["summaries"][0]
+        rounds.append({"transformers": offline["transformers"]["output_tokens_per_s"],
+                       "offline": offline["isoserve"]["output_tokens_per_s"],
+                       "http": http["output_tokens_per_s"], "failed": http["failed"]})
+    rows = [[i + 1, num(x["transformers"]), num(x["offline"]), num(x["http"]),
+             ratio(x["http"], x["transformers"]), ratio(x["offline"], x["transformers"]), x["failed"]]
+            for i, x in enumerate(rounds)]
+    med = {k: statistics.median(x[k] for x in rounds) for k in ("transformers", "offline", "http")}
+    rows.append(["median", num(med["transformers"]), num(med["offline"]), num(med["http"]),
+                 ratio(med["http"], med["transformers"]), ratio(med["offline"], med["transformers"]),
+                 sum(x["failed"] for x in rounds)])
+    headers = ["round", f"transformers b{p.target_batch} tok/s", f"isoserve offline b{p.target_batch} tok/s",
+               f"HTTP c{p.target_batch} tok/s", "HTTP / transformers", "offline / transformers", "failed"]
+    verdict = "met" if med["http"] >= 3 * med["transformers"] else "missed"
+    body = (f"{p.target_rounds} round(s); each ran transformers `generate` at batch {p.target_batch} "
+            f"(and `LLM.generate` at the same batch, in that process), then a fresh disaggregated "
+            f"`isoserve serve` (every guard on) loaded at {p.target_batch} concurrent: {p.model} "
+            f"{p.dtype}, ~{p.prompt_tokens}-token prompts, {p.output_tokens} output tokens "
+            f"(`ignore_eos`), closed loop. The target, HTTP >= 3x transformers, by the medians: "
+            f"**{ratio(med['http'], med['transformers'])}, {verdict}**.\n\n" + md_table(headers, rows))
+    title = f"HTTP at {p.target_batch} concurrent vs transformers at batch {p.target_batch}, interleaved (issue 6)"
+    return section(title, run, commands, body)
 
 
 GUARD_CONFIGS = {  # label: extra `isoserve serve` flags
@@ -486,6 +536,8 @@ def main() -> int:
     ap.add_argument("--dtype", default="bfloat16", choices=["bfloat16", "float32"])
     ap.add_argument("--guard-rounds", type=int, default=None,
                     help="times each guard configuration runs (default 2; 1 with --quick)")
+    ap.add_argument("--target-rounds", type=int, default=None,
+                    help="interleaved rounds of the HTTP target part (default 3; 1 with --quick)")
     ap.add_argument("--out", type=Path, default=None,
                     help="Markdown file to update (default docs/benchmarks.md; "
                          "bench/out/benchmarks-quick.md with --quick)")
@@ -503,7 +555,7 @@ def main() -> int:
     tenants = work / "tenants.toml"
     run = Run(plan, work, out, tenants, add_tenant(tenants, "bench"))
 
-    functions = {"offline": part_offline, "serve": part_serve, "guards": part_guards,
+    functions = {"offline": part_offline, "serve": part_serve, "target": part_target, "guards": part_guards,
                  "transfer": part_transfer, "llamacpp": part_llamacpp, "prefill": part_prefill,
                  "roofline": part_roofline}
     sections, failed = {"intro": intro()}, []
