@@ -37,6 +37,7 @@
 #include <vector>
 
 #include "amx.h"
+#include "bf16x16.h"
 #include "page_reads.h"
 
 namespace {
@@ -224,14 +225,7 @@ ISOSERVE_AMX inline __m512 exp_of_nonpositive(__m512 x) {
                                         _MM_FROUND_TO_NEAREST_INT | _MM_FROUND_NO_EXC);
   __m512 r = _mm512_fnmadd_ps(n, _mm512_set1_ps(0.693359375f), x);
   r = _mm512_fnmadd_ps(n, _mm512_set1_ps(-2.12194440e-4f), r);
-  __m512 p = _mm512_set1_ps(1.0f / 720);
-  p = _mm512_fmadd_ps(p, r, _mm512_set1_ps(1.0f / 120));
-  p = _mm512_fmadd_ps(p, r, _mm512_set1_ps(1.0f / 24));
-  p = _mm512_fmadd_ps(p, r, _mm512_set1_ps(1.0f / 6));
-  p = _mm512_fmadd_ps(p, r, _mm512_set1_ps(0.5f));
-  p = _mm512_fmadd_ps(p, r, _mm512_set1_ps(1.0f));
-  p = _mm512_fmadd_ps(p, r, _mm512_set1_ps(1.0f));
-  return _mm512_scalef_ps(p, n);
+  return _mm512_scalef_ps(isoserve::exp_taylor_tail(_mm512_set1_ps(1.0f / 720), r), n);
 }
 
 // Probabilities of keys [32 kb, 32 kb + 32) as a B tile (pairs of keys x 16 queries), rounded

@@ -1,4 +1,5 @@
-// Sixteen bfloat16 values at a time on AVX-512, for the elementwise kernels (cpu_ops.cpp).
+// Sixteen bfloat16 values at a time on AVX-512, for the elementwise kernels (cpu_ops.cpp), and
+// the exp polynomial both attention kernels' softmaxes use.
 //
 // Why by hand: gcc vectorizes the scalar loops, but c10's rounding (a NaN branch) and
 // fast_exp's clamps and NaN test come out as masked blends, ~6 instructions per element; these
@@ -7,11 +8,28 @@
 // to the bit (tests/test_fused_kernels.py holds both to the torch reference).
 #pragma once
 
-#if defined(__AVX512F__) && defined(__AVX512BW__)
-#define ISOSERVE_BF16X16 1
 #include <immintrin.h>
 
 #include <cstdint>
+
+namespace isoserve {
+
+// The Taylor polynomial of e^r from its x^5 term down, Horner's way, on p (the higher terms'
+// sum so far): the tail both exps share (exp16 below, and amx_attention.cpp's for the softmax).
+// Its own target, so that amx_attention.cpp's AMX functions take it where -march has no AVX-512.
+__attribute__((target("avx512f,fma"))) inline __m512 exp_taylor_tail(__m512 p, __m512 r) {
+  p = _mm512_fmadd_ps(p, r, _mm512_set1_ps(1.0f / 120));
+  p = _mm512_fmadd_ps(p, r, _mm512_set1_ps(1.0f / 24));
+  p = _mm512_fmadd_ps(p, r, _mm512_set1_ps(1.0f / 6));
+  p = _mm512_fmadd_ps(p, r, _mm512_set1_ps(0.5f));
+  p = _mm512_fmadd_ps(p, r, _mm512_set1_ps(1.0f));
+  return _mm512_fmadd_ps(p, r, _mm512_set1_ps(1.0f));
+}
+
+}  // namespace isoserve
+
+#if defined(__AVX512F__) && defined(__AVX512BW__)
+#define ISOSERVE_BF16X16 1
 
 namespace isoserve {
 
@@ -46,14 +64,7 @@ inline __m512 exp16(__m512 input) {
   const __m512 magic = _mm512_set1_ps(12582912.0f);
   const __m512 n = _mm512_sub_ps(_mm512_fmadd_ps(x, _mm512_set1_ps(1.44269504088896341f), magic), magic);
   const __m512 r = _mm512_fnmadd_ps(n, _mm512_set1_ps(-2.12194440e-4f), _mm512_fnmadd_ps(n, _mm512_set1_ps(0.693359375f), x));
-  __m512 p = _mm512_set1_ps(1.0f / 5040);
-  p = _mm512_fmadd_ps(p, r, _mm512_set1_ps(1.0f / 720));
-  p = _mm512_fmadd_ps(p, r, _mm512_set1_ps(1.0f / 120));
-  p = _mm512_fmadd_ps(p, r, _mm512_set1_ps(1.0f / 24));
-  p = _mm512_fmadd_ps(p, r, _mm512_set1_ps(1.0f / 6));
-  p = _mm512_fmadd_ps(p, r, _mm512_set1_ps(0.5f));
-  p = _mm512_fmadd_ps(p, r, _mm512_set1_ps(1.0f));
-  p = _mm512_fmadd_ps(p, r, _mm512_set1_ps(1.0f));
+  const __m512 p = exp_taylor_tail(_mm512_fmadd_ps(_mm512_set1_ps(1.0f / 5040), r, _mm512_set1_ps(1.0f / 720)), r);
   const __m512 two_n = _mm512_castsi512_ps(_mm512_slli_epi32(_mm512_add_epi32(_mm512_cvttps_epi32(n), _mm512_set1_epi32(127)), 23));
   return _mm512_mask_mov_ps(_mm512_mul_ps(p, two_n), _mm512_cmp_ps_mask(input, input, _CMP_UNORD_Q), input);
 }
