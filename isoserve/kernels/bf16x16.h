@@ -36,8 +36,12 @@ __attribute__((target("avx512f,fma"))) inline __m512 exp_taylor_tail(__m512 p, _
 namespace isoserve {
 
 // bfloat16 is the top half of a float32.
+inline __m512 widen_bf16x16(__m256i bits) {
+  return _mm512_castsi512_ps(_mm512_slli_epi32(_mm512_cvtepu16_epi32(bits), 16));
+}
+
 inline __m512 load_bf16x16(const void* p) {
-  return _mm512_castsi512_ps(_mm512_slli_epi32(_mm512_cvtepu16_epi32(_mm256_loadu_si256(static_cast<const __m256i*>(p))), 16));
+  return widen_bf16x16(_mm256_loadu_si256(static_cast<const __m256i*>(p)));
 }
 
 // Rounds to the nearest bfloat16, ties to even, NaN to 0x7FC0: c10::BFloat16's conversion,
@@ -56,9 +60,7 @@ inline void store_bf16x16(void* p, __m512 v) {
 }
 
 // The float32 value of v rounded to bfloat16 (round_to<BFloat16> in cpu_ops.cpp).
-inline __m512 round_bf16x16(__m512 v) {
-  return _mm512_castsi512_ps(_mm512_slli_epi32(_mm512_cvtepu16_epi32(bf16x16_bits(v)), 16));
-}
+inline __m512 round_bf16x16(__m512 v) { return widen_bf16x16(bf16x16_bits(v)); }
 
 // cpu_ops.cpp's fast_exp, sixteen lanes at a time (its comment says why each step is there).
 inline __m512 exp16(__m512 input) {

@@ -120,10 +120,10 @@ inline void rms_norm_row_bf16(c10::BFloat16* x, const c10::BFloat16* y, const c1
   __m512 squares = _mm512_setzero_ps();
   for (int64_t i = 0; i < n; i += kLanes) {
     __m512 v = load_bf16x16(x + i);
-    if (y != nullptr) {
-      const __m512 sum = _mm512_add_ps(v, load_bf16x16(y + i));
-      store_bf16x16(x + i, sum);
-      v = round_bf16x16(sum);
+    if (y != nullptr) {  // the residual sum, rounded once: stored, and squared as stored
+      const __m256i sum = bf16x16_bits(_mm512_add_ps(v, load_bf16x16(y + i)));
+      _mm256_storeu_si256(reinterpret_cast<__m256i*>(x + i), sum);
+      v = widen_bf16x16(sum);
     }
     squares = _mm512_fmadd_ps(v, v, squares);
   }
