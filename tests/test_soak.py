@@ -10,7 +10,8 @@ soaks, run in this process through the CLI entry point:
   killed worker comes back, and the probe finds nothing. This needs the server's worker
   supervision (restart with backoff; in-flight requests ended with 503 worker_unavailable).
 
-The loopback check and the key parsing run without a server.
+The same server also takes one `isoserve bench --base-url` load run (the HTTP mode issue 6's
+benchmarks use). The loopback check and the key parsing run without a server.
 """
 from __future__ import annotations
 
@@ -224,3 +225,27 @@ def test_soak_with_worker_kills_then_the_probe(server, tenants, tmp_path):
                    headers={"Authorization": f"Bearer {tenants[1]['alice']}"},
                    json={"model": report["soak"]["model"], "prompt": "Hello there", "max_tokens": 4})
     assert r.status_code == 200, r.text
+
+
+def test_bench_http_mode_times_every_streamed_request(server, tenants, tmp_path):
+    """`isoserve bench --base-url` (issue 6's load generator, on aiohttp) against the same server:
+    every request of each closed-loop setting ends ok with its usage counts, and the report has
+    TTFT, inter-token and TPOT percentiles from the streamed events."""
+    report = tmp_path / "bench.json"
+    status = isoserve_main(["bench", "--base-url", server.base_url + "/v1", "--key", tenants[1]["alice"],
+                            "--concurrency", "1,3", "--num-requests", "6", "--prompt-tokens", "40",
+                            "--output-tokens", "8", "--ignore-eos", "--warmup", "1", "--json", str(report)])
+    assert status == 0
+    data = json.loads(report.read_text())
+    assert data["calibration"]["measured"]
+    assert [s["concurrency"] for s in data["summaries"]] == [1, 3]
+    for summary in data["summaries"]:
+        assert (summary["ok"], summary["failed"], summary["failures"]) == (6, 0, {}), summary
+        assert summary["total_output_tokens"] == 6 * 8
+        assert abs(summary["mean_prompt_tokens"] - 40) <= 3   # the words were calibrated to tokens
+        assert 0 < summary["ttft_ms"]["p50"] <= summary["e2e_ms"]["p50"]
+        assert summary["itl_ms"]["p50"] > 0 and summary["tpot_ms"]["p50"] > 0
+        assert summary["output_tokens_per_s"] > 0
+    for records in data["requests"]:
+        assert [r["outcome"] for r in records] == ["ok"] * 6
+        assert all(r["output_tokens"] == 8 and r["ttft_ms"] > 0 for r in records)

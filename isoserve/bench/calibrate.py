@@ -9,7 +9,7 @@ from __future__ import annotations
 import random
 from dataclasses import dataclass
 
-import httpx
+import aiohttp
 
 from isoserve.bench.workload import random_words
 
@@ -26,18 +26,19 @@ class Calibration:
         return max(1, round((tokens - self.offset) / self.per_word))
 
 
-async def calibrate(client: httpx.AsyncClient, url: str, headers: dict, model: str,
+async def calibrate(session: aiohttp.ClientSession, url: str, headers: dict, model: str,
                     seed: int) -> Calibration:
     rng = random.Random(seed ^ 0xCA1)
     counts = []
     for n in PROBE_WORDS:
         body = {"model": model, "prompt": " ".join(random_words(rng, n)), "max_tokens": 1,
                 "temperature": 0}
-        response = await client.post(url, json=body, headers=headers)
-        if response.status_code != 200:
-            raise RuntimeError(f"calibration request failed: HTTP {response.status_code}: "
-                               f"{response.text[:500]}")
-        tokens = (response.json().get("usage") or {}).get("prompt_tokens")
+        async with session.post(url, json=body, headers=headers) as response:
+            if response.status != 200:
+                raise RuntimeError(f"calibration request failed: HTTP {response.status}: "
+                                   f"{(await response.text())[:500]}")
+            answer = await response.json(content_type=None)
+        tokens = (answer.get("usage") or {}).get("prompt_tokens")
         if not tokens:
             print("calibration: the server reports no usage.prompt_tokens; assuming one token per word")
             return Calibration()

@@ -6,11 +6,12 @@
 """
 from __future__ import annotations
 
+import json
 import random
 import time
 from datetime import datetime, timezone
 
-import httpx
+import aiohttp
 from tqdm.auto import tqdm
 
 from isoserve import event_loop
@@ -51,11 +52,13 @@ async def _run(args) -> dict:
     root = api_root(args.base_url)
     headers = {"Authorization": f"Bearer {args.key}"} if args.key else {}
     settings = settings_from(args)
-    limits = httpx.Limits(max_connections=None, max_keepalive_connections=None)
-    timeout = httpx.Timeout(args.request_timeout, connect=30.0)
-    async with httpx.AsyncClient(base_url=root, limits=limits, timeout=timeout) as client:
-        model, max_model_len = await _model_card(client, headers, args.model)
-        cal = await calibrate(client, "/v1/completions", headers, model, args.seed)
+    # --request-timeout bounds each request, 30 s of it to connect; no bound on connections, so a
+    # setting's concurrency is what reaches the server.
+    timeout = aiohttp.ClientTimeout(total=args.request_timeout, sock_connect=30.0)
+    connector = aiohttp.TCPConnector(limit=0)
+    async with aiohttp.ClientSession(connector=connector, timeout=timeout, read_bufsize=1 << 20) as client:
+        model, max_model_len = await _model_card(client, root, headers, args.model)
+        cal = await calibrate(client, root + "/v1/completions", headers, model, args.seed)
         most = max(requests_for(s, args.num_requests) for s in settings)
         pairs = lengths(args.dataset, most, random.Random(args.seed), args.prompt_tokens, args.output_tokens,
                         max_model_len)
@@ -65,7 +68,7 @@ async def _run(args) -> dict:
             body = completion_body(model, spec.prompt, spec.output_tokens, ignore_eos=args.ignore_eos,
                                    temperature=args.temperature,
                                    seed=args.seed if args.temperature > 0 else None)
-            return await stream_completion(client, "/v1/completions", headers, body, spec.index)
+            return await stream_completion(client, root + "/v1/completions", headers, body, spec.index)
 
         if args.warmup:
             warm = build_requests(pairs[:args.warmup], cal.words_for, args.seed + 1)
@@ -107,20 +110,22 @@ async def _run_setting(setting: dict, specs, send, seed: int) -> tuple[list[Requ
     return records, seconds
 
 
-async def _model_card(client: httpx.AsyncClient, headers: dict, wanted: str | None) -> tuple[str, int | None]:
+async def _model_card(client: aiohttp.ClientSession, root: str, headers: dict,
+                      wanted: str | None) -> tuple[str, int | None]:
     """The model to ask for (the first served one unless named) and its max_model_len, if told."""
     try:
-        response = await client.get("/v1/models", headers=headers)
-    except httpx.HTTPError as e:
-        raise SystemExit(f"bench: cannot reach {client.base_url}: {type(e).__name__}: {e}") from None
+        async with client.get(root + "/v1/models", headers=headers) as response:
+            status, text = response.status, await response.text()
+    except (aiohttp.ClientError, TimeoutError) as e:
+        raise SystemExit(f"bench: cannot reach {root}: {type(e).__name__}: {e}") from None
     try:
-        cards = response.json().get("data", []) if response.status_code == 200 else []
+        cards = json.loads(text).get("data", []) if status == 200 else []
     except ValueError:
         cards = []
     if wanted is None:
         if not cards:
-            raise SystemExit(f"bench: GET /v1/models answered HTTP {response.status_code} with no "
-                             f"model ({response.text[:200]!r}); check --key, or pass --model")
+            raise SystemExit(f"bench: GET /v1/models answered HTTP {status} with no "
+                             f"model ({text[:200]!r}); check --key, or pass --model")
         wanted = cards[0]["id"]
     card = next((c for c in cards if c.get("id") == wanted), {})
     return wanted, card.get("max_model_len")
