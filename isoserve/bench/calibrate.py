@@ -6,10 +6,10 @@ word and say so.
 """
 from __future__ import annotations
 
+import json
 import random
+from collections.abc import Awaitable, Callable
 from dataclasses import dataclass
-
-import aiohttp
 
 from isoserve.bench.workload import random_words
 
@@ -26,19 +26,21 @@ class Calibration:
         return max(1, round((tokens - self.offset) / self.per_word))
 
 
-async def calibrate(session: aiohttp.ClientSession, url: str, headers: dict, model: str,
-                    seed: int) -> Calibration:
+# POSTs a JSON body to /v1/completions and returns (HTTP status, response text): the caller's
+# client, whichever it is (the load generator's aiohttp session, the soak's httpx client).
+PostJson = Callable[[dict], Awaitable[tuple[int, str]]]
+
+
+async def calibrate(post: PostJson, model: str, seed: int) -> Calibration:
     rng = random.Random(seed ^ 0xCA1)
     counts = []
     for n in PROBE_WORDS:
         body = {"model": model, "prompt": " ".join(random_words(rng, n)), "max_tokens": 1,
                 "temperature": 0}
-        async with session.post(url, json=body, headers=headers) as response:
-            if response.status != 200:
-                raise RuntimeError(f"calibration request failed: HTTP {response.status}: "
-                                   f"{(await response.text())[:500]}")
-            answer = await response.json(content_type=None)
-        tokens = (answer.get("usage") or {}).get("prompt_tokens")
+        status, text = await post(body)
+        if status != 200:
+            raise RuntimeError(f"calibration request failed: HTTP {status}: {text[:500]}")
+        tokens = (json.loads(text).get("usage") or {}).get("prompt_tokens")
         if not tokens:
             print("calibration: the server reports no usage.prompt_tokens; assuming one token per word")
             return Calibration()

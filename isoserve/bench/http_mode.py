@@ -58,7 +58,11 @@ async def _run(args) -> dict:
     connector = aiohttp.TCPConnector(limit=0)
     async with aiohttp.ClientSession(connector=connector, timeout=timeout, read_bufsize=1 << 20) as client:
         model, max_model_len = await _model_card(client, root, headers, args.model)
-        cal = await calibrate(client, root + "/v1/completions", headers, model, args.seed)
+        async def post(body: dict) -> tuple[int, str]:
+            async with client.post(root + "/v1/completions", json=body, headers=headers) as response:
+                return response.status, await response.text()
+
+        cal = await calibrate(post, model, args.seed)
         most = max(requests_for(s, args.num_requests) for s in settings)
         pairs = lengths(args.dataset, most, random.Random(args.seed), args.prompt_tokens, args.output_tokens,
                         max_model_len)

@@ -440,8 +440,13 @@ class Soak:
             if max_model_len:  # room for a chat template and calibration error
                 self.length_cap = max(8, max_model_len - max(16, max_model_len // 16))
             headers = {"Authorization": f"Bearer {cfg.tenants[0].key}"}
+
+            async def post(body: dict) -> tuple[int, str]:
+                response = await client.post("/v1/completions", json=body, headers=headers)
+                return response.status_code, response.text
+
             try:
-                self.calibration = await calibrate(client, "/v1/completions", headers, model, cfg.seed)
+                self.calibration = await calibrate(post, model, cfg.seed)
             except (RuntimeError, httpx.HTTPError, ValueError) as e:
                 raise SoakError(f"calibration failed: {e}") from None
             if cfg.kill_worker_every:
