@@ -204,9 +204,15 @@ def test_429_when_queues_are_full_and_a_flood_does_not_starve_other_tenants(tmp_
 # ==== deadlines =================================================================================
 
 def test_queue_and_generation_deadlines_have_their_own_codes(tmp_path, model, tenants):
+    """The worker ends a request past its queue or generation deadline. A worker that cannot
+    (stopped: silent, but within its heartbeat timeout) leaves the generation deadline to the
+    router, which ends the stream DEADLINE_BACKSTOP_S after it and aborts it on the worker."""
+    from isoserve.server.router import DEADLINE_BACKSTOP_S
     keys = tenants[1]
+    generation_s = 3
     with serve(tmp_path, model, tenants, "--mode", "aggregated", "--max-num-seqs", "1",
-               "--queue-timeout", "1", "--generation-timeout", "3") as server:
+               "--queue-timeout", "1", "--generation-timeout", str(generation_s),
+               "--heartbeat-timeout", "120") as server:
         name = model_name(server.base_url, keys["alice"])
         long = StreamingRequest(server.base_url, keys["alice"], body(name, "a long one", 900)).start()
         wait_until(lambda: long.outcome.tokens, 60, "the long stream to start")
@@ -217,29 +223,20 @@ def test_queue_and_generation_deadlines_have_their_own_codes(tmp_path, model, te
         # The worker is free again and serves the next request normally.
         assert completion(server.base_url, keys["bob"], body(name, "now", 4, stream=False)).ok
 
-
-def test_a_stream_whose_worker_hangs_ends_at_the_routers_deadline_backstop(tmp_path, model, tenants):
-    """The worker enforces the generation deadline; a worker that cannot (stopped, so silent but
-    not yet past its heartbeat timeout) leaves it to the router, which ends the stream with
-    generation_timeout DEADLINE_BACKSTOP_S after the deadline and aborts it on the worker."""
-    from isoserve.server.router import DEADLINE_BACKSTOP_S
-    keys = tenants[1]
-    with serve(tmp_path, model, tenants, "--mode", "aggregated", "--generation-timeout", "2",
-               "--heartbeat-timeout", "120") as server:
-        name = model_name(server.base_url, keys["alice"])
-        stream = StreamingRequest(server.base_url, keys["alice"], body(name, "a long one", 900)).start()
-        wait_until(lambda: stream.outcome.tokens, 60, "the stream to start")
+        # The router's backstop: the same deadline with the worker stopped mid-stream.
+        hung = StreamingRequest(server.base_url, keys["alice"], body(name, "a hung one", 900)).start()
+        wait_until(lambda: hung.outcome.tokens, 60, "the stream to start")
         worker = worker_pid(server.base_url, keys["admin"], "aggregated")
         os.kill(worker, signal.SIGSTOP)
         stopped = time.monotonic()
         try:
-            o = stream.join(2 + DEADLINE_BACKSTOP_S + 30)
+            o = hung.join(generation_s + DEADLINE_BACKSTOP_S + 30)
         finally:
             os.kill(worker, signal.SIGCONT)
         assert (o.status, o.code, o.done) == (200, "generation_timeout", True) and o.tokens > 0, o
-        assert time.monotonic() - stopped < 2 + DEADLINE_BACKSTOP_S + 5
-        # The worker, running again, took the abort: its pages are free and it serves the next one.
-        assert completion(server.base_url, keys["bob"], body(name, "now", 4, stream=False)).ok
+        assert time.monotonic() - stopped < generation_s + DEADLINE_BACKSTOP_S + 5
+        # Running again, the worker took the abort: its pages are free and it serves the next one.
+        assert completion(server.base_url, keys["bob"], body(name, "again", 4, stream=False)).ok
         wait_until(lambda: admin_status(server.base_url, keys["admin"])["workers"][0]["pages_used"] == 0,
                    30, "the aborted request's pages to be freed")
 
