@@ -53,9 +53,12 @@ async def _run(args) -> dict:
     headers = {"Authorization": f"Bearer {args.key}"} if args.key else {}
     settings = settings_from(args)
     # --request-timeout bounds each request, 30 s of it to connect; no bound on connections, so a
-    # setting's concurrency is what reaches the server.
+    # setting's concurrency is what reaches the server. A connection per request (force_close):
+    # aiohttp sends a request on a kept-alive connection the server may have closed meanwhile,
+    # and fails it instead of retrying (llama-server's keep-alive limits failed 59 of 144 that
+    # way); a loopback connect costs far less than a failed request skews the result.
     timeout = aiohttp.ClientTimeout(total=args.request_timeout, sock_connect=30.0)
-    connector = aiohttp.TCPConnector(limit=0)
+    connector = aiohttp.TCPConnector(limit=0, force_close=True)
     async with aiohttp.ClientSession(connector=connector, timeout=timeout, read_bufsize=1 << 20) as client:
         model, max_model_len = await _model_card(client, root, headers, args.model)
         async def post(body: dict) -> tuple[int, str]:
