@@ -49,6 +49,21 @@ def serve(tmp_path, model, tenants, *args: str, failpoints: str = "worker.step_d
                           "--enable-failpoints", *args, env=env)
 
 
+def join_with_worker_stopped(server, admin_key: str, stream: StreamingRequest, role: str,
+                             timeout: float):
+    """Once `stream` has its first token, stops the `role` worker (SIGSTOP: silent, alive),
+    joins the stream for at most `timeout` s and resumes the worker whatever happened.
+    Returns (the stream's outcome, when the worker was stopped, its pid)."""
+    wait_until(lambda: stream.outcome.tokens, 60, "the stream to start")
+    pid = worker_pid(server.base_url, admin_key, role)
+    os.kill(pid, signal.SIGSTOP)
+    stopped = time.monotonic()
+    try:
+        return stream.join(timeout), stopped, pid
+    finally:
+        os.kill(pid, signal.SIGCONT)
+
+
 def model_name(base_url: str, key: str) -> str:
     r = httpx.get(base_url + "/v1/models", headers={"Authorization": f"Bearer {key}"}, timeout=10)
     return r.json()["data"][0]["id"]
@@ -147,15 +162,8 @@ def test_a_long_step_is_not_a_dead_worker_and_a_stalled_worker_comes_back(tmp_pa
         assert completion(server.base_url, keys["alice"], body(name, "slow steps", 2, stream=False)).ok
         assert "marked down" not in server.log()
         stream = StreamingRequest(server.base_url, keys["bob"], body(name, "to be stalled", 40)).start()
-        wait_until(lambda: stream.outcome.tokens, 60, "the stream to start")
-        pid = worker_pid(server.base_url, keys["admin"], "decode")
-        os.kill(pid, signal.SIGSTOP)
-        stopped = time.monotonic()
-        try:
-            o = stream.join(30)
-            assert (o.code, o.done) == ("worker_unavailable", True) and o.ended_at - stopped < 5.0, o
-        finally:
-            os.kill(pid, signal.SIGCONT)
+        o, stopped, pid = join_with_worker_stopped(server, keys["admin"], stream, "decode", 30)
+        assert (o.code, o.done) == ("worker_unavailable", True) and o.ended_at - stopped < 5.0, o
         wait_until(lambda: any(w["pid"] == pid and w["state"] == "up"
                                for w in admin_status(server.base_url, keys["admin"])["workers"]), 60,
                    "the same decode process back in service", interval=0.5)
@@ -225,16 +233,10 @@ def test_queue_and_generation_deadlines_have_their_own_codes(tmp_path, model, te
 
         # The router's backstop: the same deadline with the worker stopped mid-stream.
         hung = StreamingRequest(server.base_url, keys["alice"], body(name, "a hung one", 900)).start()
-        wait_until(lambda: hung.outcome.tokens, 60, "the stream to start")
-        worker = worker_pid(server.base_url, keys["admin"], "aggregated")
-        os.kill(worker, signal.SIGSTOP)
-        stopped = time.monotonic()
-        try:
-            o = hung.join(generation_s + DEADLINE_BACKSTOP_S + 30)
-        finally:
-            os.kill(worker, signal.SIGCONT)
+        o, stopped, _ = join_with_worker_stopped(server, keys["admin"], hung, "aggregated",
+                                                 generation_s + DEADLINE_BACKSTOP_S + 30)
         assert (o.status, o.code, o.done) == (200, "generation_timeout", True) and o.tokens > 0, o
-        assert time.monotonic() - stopped < generation_s + DEADLINE_BACKSTOP_S + 5
+        assert o.ended_at - stopped < generation_s + DEADLINE_BACKSTOP_S + 5
         # Running again, the worker took the abort: its pages are free and it serves the next one.
         assert completion(server.base_url, keys["bob"], body(name, "again", 4, stream=False)).ok
         wait_until(lambda: admin_status(server.base_url, keys["admin"])["workers"][0]["pages_used"] == 0,
