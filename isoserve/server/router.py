@@ -190,18 +190,16 @@ class Router:
         body = {"request_id": rid, "tenant": req.tenant, "prompt_token_ids": req.prompt_token_ids,
                 "params": req.params.to_dict(), "deadlines": deadlines.to_wire()}
 
-        async def next_output():
-            if deadlines.generation_s is None:
-                return await queue.get()
-            left = deadlines.generation_s + DEADLINE_BACKSTOP_S - (time.monotonic() - started)
-            try:
-                # A timeout scope, not wait_for: this runs once per streamed token, and wait_for
-                # wraps the get in a task of its own (10 vs 5 us a call here).
-                async with asyncio.timeout(max(left, 0.0)):
-                    return await queue.get()
-            except TimeoutError:
-                raise GenerationTimeout(f"request {rid} did not finish within its generation "
-                                        f"deadline ({deadlines.generation_s:g} s)") from None
+        # The generation deadline is the worker's to enforce; this is the backstop for one that
+        # has gone silent. One timer per request ends the stream as end_all does, with an error
+        # output in its queue (behind the outputs already there), instead of a timeout around
+        # every token's wait.
+        backstop = None
+        if deadlines.generation_s is not None:
+            backstop = asyncio.get_running_loop().call_later(
+                deadlines.generation_s + DEADLINE_BACKSTOP_S, queue.put_nowait,
+                _error_output(rid, GenerationTimeout(f"request {rid} did not finish within its generation "
+                                                     f"deadline ({deadlines.generation_s:g} s)")))
 
         try:
             if self.settings.mode == "aggregated":
@@ -215,7 +213,7 @@ class Router:
                 involved.append(decode)
                 decode.in_flight.add(rid)
                 self._send(decode, "reserve", body)
-                first = await next_output()
+                first = await queue.get()
                 if not isinstance(first, _Reserved):
                     yield first  # the decode worker refused it: an explicit error
                     return
@@ -228,7 +226,7 @@ class Router:
                 self._send(prefill, "prefill", {**body, "decode_endpoint": decode.kv_endpoint,
                                                 "deadlines": deadlines.remaining(started).to_wire()})
             while True:
-                out = await next_output()
+                out = await queue.get()
                 if isinstance(out, _Reserved):
                     continue
                 clean = out.finished and out.error is None
@@ -238,6 +236,8 @@ class Router:
         except IsoserveError as e:
             yield _error_output(rid, e)
         finally:
+            if backstop is not None:
+                backstop.cancel()
             self.streams.pop(rid, None)
             # Anything but a clean finish (client gone, an error on either side) is aborted on
             # every worker involved, so no pages stay held and nothing more is computed.
