@@ -61,8 +61,10 @@ async def _run(args) -> dict:
     connector = aiohttp.TCPConnector(limit=0, force_close=True)
     async with aiohttp.ClientSession(connector=connector, timeout=timeout, read_bufsize=1 << 20) as client:
         model, max_model_len = await _model_card(client, root, headers, args.model)
+        completions = root + "/v1/completions"
+
         async def post(body: dict) -> tuple[int, str]:
-            async with client.post(root + "/v1/completions", json=body, headers=headers) as response:
+            async with client.post(completions, json=body, headers=headers) as response:
                 return response.status, await response.text()
 
         cal = await calibrate(post, model, args.seed)
@@ -75,7 +77,7 @@ async def _run(args) -> dict:
             body = completion_body(model, spec.prompt, spec.output_tokens, ignore_eos=args.ignore_eos,
                                    temperature=args.temperature,
                                    seed=args.seed if args.temperature > 0 else None)
-            return await stream_completion(client, root + "/v1/completions", headers, body, spec.index)
+            return await stream_completion(client, completions, headers, body, spec.index)
 
         if args.warmup:
             warm = build_requests(pairs[:args.warmup], cal.words_for, args.seed + 1)
