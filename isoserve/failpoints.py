@@ -5,13 +5,17 @@ e.g. "prefill.placeholder_on_reject=always;transfer.truncate=1in3;transfer.delay
 Without both, `fire()` is a dictionary lookup on an empty dict and returns False.
 
 Triggers: always | off | once | 1inN (every N-th hit) | P% (seeded, reproducible) | an integer
-value for the *_ms points (always fires, with that value).
+value for the *_ms points (always fires, with that value), or VALUExN: that value for the first
+N hits only, then off. Each process counts its own hits, so a worker the supervisor restarts
+starts again from zero: "transfer.delay_ms=1000x4" holds the first 4 transfers of each
+prefill process open for a second, and lets the rest go at once.
 """
 from __future__ import annotations
 
 import logging
 import os
 import random
+import re
 
 log = logging.getLogger("isoserve.failpoints")
 
@@ -33,6 +37,9 @@ KNOWN = {
     "worker.step_delay_ms": "sleep this many milliseconds after each engine step (a slow model: "
                             "keeps requests in flight long enough to kill a worker under them)",
 }
+
+
+_COUNTED = re.compile(r"\d+x\d+")  # VALUExN: a *_ms value for the first N hits
 
 
 class Failpoints:
@@ -60,6 +67,8 @@ class Failpoints:
         n = self._hits[name] = self._hits.get(name, 0) + 1
         if trigger == "always" or trigger.isdigit():
             return True
+        if _COUNTED.fullmatch(trigger):
+            return n <= int(trigger.partition("x")[2])
         if trigger == "once":
             return n == 1
         if trigger.startswith("1in"):
@@ -71,7 +80,9 @@ class Failpoints:
     def value(self, name: str) -> int:
         """The integer a *_ms failpoint carries, when it fires; else 0."""
         trigger = self._rules.get(name, "")
-        return int(trigger) if trigger.isdigit() and self.fire(name) else 0
+        if not (trigger.isdigit() or _COUNTED.fullmatch(trigger)):
+            return 0
+        return int(trigger.partition("x")[0]) if self.fire(name) else 0
 
 
 # One per process; workers configure it at start from their flags and environment.
