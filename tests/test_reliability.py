@@ -192,7 +192,7 @@ def test_429_when_queues_are_full_and_a_flood_does_not_starve_other_tenants(tmp_
         assert len(refused) >= 12 and sum(o.ok for o in flooded) == len(flooded) - len(refused)
         assert {o.code for o in refused} == {"rate_limit_exceeded"} and all(o.retry_after for o in refused)
         # The server-wide bound: two tenants at their limit fill it; the next request is refused.
-        held = [StreamingRequest(server.base_url, keys[t], body(name, f"{t} {i}", 200)).start()
+        held = [StreamingRequest(server.base_url, keys[t], body(name, f"{t} {i}", 120)).start()
                 for t in ("alice", "bob") for i in range(4)]
         wait_until(lambda: all(s.outcome.tokens for s in held), 60, "eight streams to be running")
         over = completion(server.base_url, keys["carol"], body(name, "one too many", 4, stream=False))
@@ -200,7 +200,7 @@ def test_429_when_queues_are_full_and_a_flood_does_not_starve_other_tenants(tmp_
         for s in held:
             assert s.join(120).ok
         # A tenant's own limit from the tenants file.
-        first = StreamingRequest(server.base_url, keys["single"], body(name, "mine", 200)).start()
+        first = StreamingRequest(server.base_url, keys["single"], body(name, "mine", 120)).start()
         wait_until(lambda: first.outcome.tokens, 60, "the single tenant's first stream")
         second = completion(server.base_url, keys["single"], body(name, "and another", 4, stream=False))
         assert (second.status, second.code) == (429, "rate_limit_exceeded")
