@@ -35,3 +35,17 @@ def tiny_checkpoint(tiny_q4_1, tmp_path_factory):
     """tiny_q4_1 loaded in bfloat16: its weights with their Q4_1 companions."""
     from isoserve.model.loader import load_checkpoint
     return load_checkpoint(str(tiny_q4_1), torch.bfloat16, tmp_path_factory.mktemp("cache"))
+
+
+@pytest.fixture(scope="session")
+def transformers_smollm2():
+    """The default model in float32 as transformers' own GGUF loader builds it (~17 s on 2
+    cores): the reference for our weights (test_model_loading) and for greedy decoding
+    (test_engine_parity), loaded once for both."""
+    from transformers import AutoModelForCausalLM
+
+    from isoserve.model.registry import DEFAULT_MODEL, resolve_model
+    path = resolve_model(DEFAULT_MODEL).path
+    model = AutoModelForCausalLM.from_pretrained(path.parent, gguf_file=path.name, dtype=torch.float32,
+                                                 local_files_only=True)
+    return model.eval()

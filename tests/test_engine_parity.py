@@ -13,11 +13,11 @@ os.environ.setdefault("HF_HUB_OFFLINE", "1")  # before transformers reads it: ne
 
 import pytest
 import torch
-from transformers import AutoModelForCausalLM, GenerationConfig
+from transformers import GenerationConfig
 
 from engine_prompts import PROMPTS
 from isoserve import LLM, SamplingParams
-from isoserve.model.registry import DEFAULT_MODEL, resolve_model
+from isoserve.model.registry import DEFAULT_MODEL
 
 NEW_TOKENS = 48
 LOGPROB_TOLERANCE = 1e-3
@@ -40,23 +40,23 @@ def ours(llm, prompt_ids):
 
 
 @pytest.fixture(scope="module")
-def reference(prompt_ids):
+def reference(prompt_ids, transformers_smollm2):
     """(tokens [B, 48], raw-logit log-softmaxes [B, 48, vocab]) from transformers' generate."""
-    path = resolve_model(DEFAULT_MODEL).path
-    model = AutoModelForCausalLM.from_pretrained(path.parent, gguf_file=path.name,
-                                                 dtype=torch.float32, local_files_only=True)
-    model.eval()
+    model = transformers_smollm2
     # Plain greedy and nothing else: no EOS to stop on, no repetition penalty or other
     # processor. generate() fills unset fields from model.generation_config, so replace that too.
     config = GenerationConfig(do_sample=False, max_new_tokens=NEW_TOKENS, min_new_tokens=0,
                               eos_token_id=None, pad_token_id=0, repetition_penalty=1.0,
                               output_logits=True, return_dict_in_generate=True)
-    model.generation_config = config
+    shared_config, model.generation_config = model.generation_config, config  # the model is shared
     width = max(len(p) for p in prompt_ids)
     input_ids = torch.tensor([[0] * (width - len(p)) + p for p in prompt_ids])  # left padding
     mask = torch.tensor([[0] * (width - len(p)) + [1] * len(p) for p in prompt_ids])
-    with torch.inference_mode():
-        out = model.generate(input_ids=input_ids, attention_mask=mask, generation_config=config)
+    try:
+        with torch.inference_mode():
+            out = model.generate(input_ids=input_ids, attention_mask=mask, generation_config=config)
+    finally:
+        model.generation_config = shared_config
     tokens = out.sequences[:, width:]
     logprobs = torch.log_softmax(torch.stack(out.logits, dim=1).float(), dim=-1)
     return tokens, logprobs

@@ -37,12 +37,9 @@ def smollm2(cache_dir):
 
 
 @pytest.fixture(scope="module")
-def transformers_smollm2_state():
-    # transformers' own GGUF loader (about 20 s) is the reference for our reverse permutation.
-    path = resolve_model(DEFAULT_MODEL).path
-    model = AutoModelForCausalLM.from_pretrained(path.parent, gguf_file=path.name, dtype=torch.float32,
-                                                 local_files_only=True)
-    return model.state_dict()
+def transformers_smollm2_state(transformers_smollm2):
+    # transformers' own GGUF loader is the reference for our reverse permutation.
+    return transformers_smollm2.state_dict()
 
 
 @pytest.fixture(scope="session")
