@@ -246,6 +246,13 @@ def test_bench_http_mode_times_every_streamed_request(server, tenants, tmp_path)
         assert 0 < summary["ttft_ms"]["p50"] <= summary["e2e_ms"]["p50"]
         assert summary["itl_ms"]["p50"] > 0 and summary["tpot_ms"]["p50"] > 0
         assert summary["output_tokens_per_s"] > 0
-    for records in data["requests"]:
+    for summary, records in zip(data["summaries"], data["requests"]):
         assert [r["outcome"] for r in records] == ["ok"] * 6
         assert all(r["output_tokens"] == 8 and r["ttft_ms"] > 0 for r in records)
+        # Each request on the setting's timeline: sent after it started, done before it ended.
+        # (Each value is rounded to the microsecond; hence the 0.01 ms.)
+        assert all(0 <= r["sent_ms"] and r["sent_ms"] + r["e2e_ms"] <= summary["duration_s"] * 1000 + 0.01
+                   for r in records)
+    # Closed loop at 1: each request is sent once the one before it is done.
+    serial = sorted(data["requests"][0], key=lambda r: r["sent_ms"])
+    assert all(b["sent_ms"] >= a["sent_ms"] + a["e2e_ms"] - 0.01 for a, b in zip(serial, serial[1:]))

@@ -88,9 +88,9 @@ async def _run(args) -> dict:
         summaries, per_request = [], []
         for setting in settings:
             batch = specs[:requests_for(setting, args.num_requests)]
-            records, seconds = await _run_setting(setting, batch, send, args.seed)
+            records, started, seconds = await _run_setting(setting, batch, send, args.seed)
             summaries.append(summarize(setting, records, seconds))
-            per_request.append([_compact(r) for r in sorted(records, key=lambda r: r.index)])
+            per_request.append([_compact(r, started) for r in sorted(records, key=lambda r: r.index)])
     return {
         "label": args.label or "",
         "date": datetime.now(timezone.utc).isoformat(timespec="seconds"),
@@ -107,7 +107,7 @@ async def _run(args) -> dict:
     }
 
 
-async def _run_setting(setting: dict, specs, send, seed: int) -> tuple[list[RequestRecord], float]:
+async def _run_setting(setting: dict, specs, send, seed: int) -> tuple[list[RequestRecord], float, float]:
     name = report.setting_name(setting)
     with tqdm(total=len(specs), desc=name, unit="req") as bar:
         started = time.perf_counter()
@@ -116,7 +116,7 @@ async def _run_setting(setting: dict, specs, send, seed: int) -> tuple[list[Requ
         else:
             records = await load.closed_loop(specs, setting["concurrency"], send, bar.update)
         seconds = time.perf_counter() - started
-    return records, seconds
+    return records, started, seconds
 
 
 async def _model_card(client: aiohttp.ClientSession, root: str, headers: dict,
@@ -140,8 +140,11 @@ async def _model_card(client: aiohttp.ClientSession, root: str, headers: dict,
     return wanted, card.get("max_model_len")
 
 
-def _compact(r: RequestRecord) -> dict:
+def _compact(r: RequestRecord, setting_started: float) -> dict:
+    """One request's record; sent_ms places it on the setting's timeline (how full the server
+    was kept, request by request)."""
     return {"index": r.index, "outcome": r.outcome,
+            "sent_ms": round((r.start - setting_started) * 1000, 3),
             "ttft_ms": None if r.ttft is None else round(r.ttft * 1000, 3),
             "e2e_ms": round((r.end - r.start) * 1000, 3),
             "prompt_tokens": r.prompt_tokens, "output_tokens": r.output_tokens}
