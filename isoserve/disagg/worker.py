@@ -75,6 +75,7 @@ class Worker:
         self.stopping = False
         self.loop_at = time.monotonic()  # when the main loop last went round
         self._alive = threading.Thread(target=self._send_alive, name="isoserve-alive", daemon=True)
+        self._loop_ended = threading.Event()  # wakes the liveness thread at once to end it
 
     # ---- sending ------------------------------------------------------------------------
     def send_router(self, kind: str, body: dict) -> None:
@@ -122,7 +123,7 @@ class Worker:
         try:
             while not self.stopping:
                 sock.send_multipart(signer.pack("alive", {"loop_age_s": time.monotonic() - self.loop_at}))
-                time.sleep(HEARTBEAT_S)
+                self._loop_ended.wait(HEARTBEAT_S)
         finally:
             sock.close(0)
 
@@ -164,6 +165,7 @@ class Worker:
             if now - last_beat >= HEARTBEAT_S:
                 self.send_router("heartbeat", self.stats())
                 last_beat = now
+        self._loop_ended.set()
         if self._alive.is_alive():
             self._alive.join()
         self.router.close(0)
