@@ -9,8 +9,10 @@ from __future__ import annotations
 
 import json
 import os
+import re
 import signal
 import subprocess
+import tempfile
 import time
 
 import httpx
@@ -261,6 +263,9 @@ def test_sigterm_lets_requests_in_flight_finish_and_exits_0(tmp_path, model, ten
         assert server.proc.wait(60) == 0
         log = server.log()
         assert "every request in flight finished" in log and "Traceback" not in log
+        # Its sockets and core-share file went with it.
+        runtime_dir = re.search(r"listening for workers on ipc://(\S+)/router\.sock", log).group(1)
+        assert runtime_dir.startswith(tempfile.gettempdir()) and not os.path.exists(runtime_dir)
 
 
 def test_sigterm_past_the_grace_period_ends_requests_with_an_explicit_error(tmp_path, model, tenants):

@@ -4,6 +4,7 @@ from __future__ import annotations
 import asyncio
 import logging
 import os
+import shutil
 import signal
 import subprocess
 import sys
@@ -288,6 +289,7 @@ async def _serve(args) -> int:
     finally:
         await supervisor.stop()
         await router.stop()
+        shutil.rmtree(runtime_dir, ignore_errors=True)  # the sockets and the core-share file
 
 
 async def _drain_on_exit(server, api, router, grace_s: float) -> None:
