@@ -158,10 +158,12 @@ def test_a_long_step_is_not_a_dead_worker_and_a_stalled_worker_comes_back(tmp_pa
     """Steps longer than the heartbeat timeout (a long prompt on one core) keep the worker in
     service: its liveness thread answers. A worker that stops altogether (SIGSTOP) is marked
     down and its requests end; when it answers again it drops what it held, registers again and
-    serves, without a restart."""
+    serves, without a restart. Each worker's first two steps are the long ones: the first
+    request's, and the one during which the decode worker is stopped; the request after the
+    stall runs at speed."""
     keys = tenants[1]
     with serve(tmp_path, model, tenants, "--heartbeat-timeout", "1.5",
-               failpoints="worker.step_delay_ms=2500") as server:
+               failpoints="worker.step_delay_ms=2500x2") as server:
         name = model_name(server.base_url, keys["alice"])
         assert completion(server.base_url, keys["alice"], body(name, "slow steps", 2, stream=False)).ok
         assert "marked down" not in server.log()
