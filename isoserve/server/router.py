@@ -175,9 +175,16 @@ class Router:
     def end_all(self, error: IsoserveError) -> int:
         """End every request in flight with `error` (graceful shutdown past its grace period);
         each is then aborted on its workers as any request that ends unclean. Returns how many."""
-        for rid, queue in self.streams.items():
-            queue.put_nowait(_error_output(rid, error))
+        for rid in self.streams:
+            self._end_stream(rid, error)
         return len(self.streams)
+
+    def _end_stream(self, rid: str, error: IsoserveError) -> None:
+        """End a request's stream with `error`, behind the outputs already in its queue. Its
+        generator then ends it, and aborts it on its workers, as any unclean finish."""
+        queue = self.streams.get(rid)
+        if queue is not None:  # else it has ended already
+            queue.put_nowait(_error_output(rid, error))
 
     async def generate(self, req: GenerationRequest) -> AsyncIterator[RequestOutput]:
         rid = req.request_id
@@ -191,15 +198,14 @@ class Router:
                 "params": req.params.to_dict(), "deadlines": deadlines.to_wire()}
 
         # The generation deadline is the worker's to enforce; this is the backstop for one that
-        # has gone silent. One timer per request ends the stream as end_all does, with an error
-        # output in its queue (behind the outputs already there), instead of a timeout around
-        # every token's wait.
+        # has gone silent. One timer per request ends the stream as end_all and mark_down do,
+        # instead of a timeout around every token's wait.
         backstop = None
         if deadlines.generation_s is not None:
             backstop = asyncio.get_running_loop().call_later(
-                deadlines.generation_s + DEADLINE_BACKSTOP_S, queue.put_nowait,
-                _error_output(rid, GenerationTimeout(f"request {rid} did not finish within its generation "
-                                                     f"deadline ({deadlines.generation_s:g} s)")))
+                deadlines.generation_s + DEADLINE_BACKSTOP_S, self._end_stream, rid,
+                GenerationTimeout(f"request {rid} did not finish within its generation "
+                                  f"deadline ({deadlines.generation_s:g} s)"))
 
         try:
             if self.settings.mode == "aggregated":
@@ -395,11 +401,9 @@ class Router:
                     self._send(p, "peer_down", {"kv_endpoint": w.kv_endpoint})
 
     def _fail_in_flight(self, worker: WorkerInfo, why: str) -> None:
-        for rid in list(worker.in_flight):
-            queue = self.streams.get(rid)
-            if queue is not None:
-                queue.put_nowait(_error_output(rid, WorkerUnavailable(
-                    f"{worker.role} worker {worker.id} failed while serving this request ({why})")))
+        for rid in worker.in_flight:
+            self._end_stream(rid, WorkerUnavailable(
+                f"{worker.role} worker {worker.id} failed while serving this request ({why})"))
         worker.in_flight.clear()
 
 
