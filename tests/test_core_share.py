@@ -179,6 +179,43 @@ def _wait_for_cores(share: CoreShare):
     return cores
 
 
+def test_split_waits_for_a_peer_step_on_every_core_then_splits(share_file):
+    me = CoreShare(str(share_file), 0, cores=4, policy="split")
+    peer = Peer(share_file, 1, policy="split")
+    try:
+        peer.start_step(0.4)
+        kind, threads, _ = peer.read()
+        assert (kind, threads) == ("in", "4")     # alone when it started: every core
+        me.set_busy(True)
+        assert me.try_step() is None              # no third thread on cores its step holds
+        with _wait_for_cores(me) as mine:
+            entered = time.monotonic()
+            assert mine == 4                      # the peer went idle after its step
+        kind, left = peer.read()
+        assert kind == "out" and entered >= float(left)
+        # Both busy: each takes its half at once, and the steps overlap.
+        peer.set("busy")
+        with _wait_for_cores(me) as mine:
+            peer.start_step(0.2)
+            kind, threads, _ = peer.read()
+            assert (mine, kind, threads) == (2, "in", "2")
+        assert peer.read()[0] == "out"
+    finally:
+        peer.kill()
+
+
+def test_a_peer_that_died_in_a_step_holds_no_cores(share_file):
+    me = CoreShare(str(share_file), 0, cores=4, policy="split")
+    peer = Peer(share_file, 1, policy="split")
+    peer.start_step(600)
+    assert peer.read()[:2] == ["in", "4"]
+    me.set_busy(True)
+    assert me.try_step() is None
+    peer.kill()
+    with _wait_for_cores(me) as threads:
+        assert threads == 4 and me.cores_in_peer_steps() == 0
+
+
 def test_split_steps_overlap_and_policies_are_checked(share_file):
     me = CoreShare(str(share_file), 0, cores=4, policy="split")
     peer = Peer(share_file, 1)

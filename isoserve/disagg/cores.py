@@ -7,8 +7,15 @@ idle worker is wasted. So each worker marks itself busy or idle in a small share
 the busy ones share the cores by one of two policies:
 
   split (the default): before each step a busy worker takes `cores // busy workers` torch
-      threads, all of them when it is alone. Steps overlap: a prompt's prefill starts at once on
-      its share while decode goes on.
+      threads, all of them when it is alone. Steps overlap: a prompt's prefill starts on its
+      share while decode goes on. But no step starts on cores a peer's running step holds: a
+      step that began with every core (its peers were idle then) keeps them until it ends, and
+      a peer that turns busy meanwhile waits for that end, receiving as it waits, then both
+      split. Starting at once would put a third thread on two cores, and an OpenMP thread
+      preempted by the other process stalls its whole step at the next barrier: 25 ms decode
+      steps took 100-130 ms beside a one-prompt prefill, ten to eighteen times a run. Waiting
+      out the step (at most one decode step, ~25 ms, of a prompt's TTFT) gave 919 / 951 / 874
+      tok/s against 841 / 849 / 832 at 32 concurrent requests (docs/benchmarks.md).
   turns: one busy worker steps at a time, with every core, and the busy ones take turns step
       by step. No step runs on a core another worker's step also wants (an OpenMP thread
       preempted by the other process stalls its whole step at the next barrier), and decode
@@ -18,8 +25,9 @@ the busy ones share the cores by one of two policies:
       TTFT (a prefill step waits for each decode step).
 
 The file holds one 8-byte slot per worker (0 when idle, the worker's pid while busy), then one
-8-byte count of turns taken. A slot whose pid no longer runs counts as idle, so a worker that
-died busy holds no cores. The turn itself is an advisory lock on the file (flock): the kernel
+8-byte count of turns taken, then one 8-byte slot per worker for the step it is running (0, or
+its threads << 32 | its pid). A slot whose pid no longer runs counts as idle and stepping on no
+cores, so a worker that died busy, or in a step, holds none. The turn itself is an advisory lock on the file (flock): the kernel
 releases it when its holder exits, however it exits. A worker waiting for its turn does not
 block on it: it goes on receiving (a decode worker takes in KV transfers and reserves pages for
 new requests, so the prefill it waits for can start) and tries again between polls.
@@ -45,8 +53,8 @@ TURN_POLL_MS = 1
 # After its step a worker leaves the turn to a waiting peer (for at most this long), so that it
 # cannot take it straight back; it sends its outputs and goes on receiving meanwhile.
 HANDOFF_WAIT_S = 0.005
-# No step of a model we serve holds the turn this long; past it, the waiting worker steps
-# anyway (oversubscribing the cores) rather than stall behind a stuck peer.
+# No step of a model we serve holds the turn (or, split, the cores) this long; past it, the
+# waiting worker steps anyway (oversubscribing the cores) rather than stall behind a stuck peer.
 TURN_WAIT_LIMIT_S = 60.0
 
 
@@ -62,7 +70,7 @@ def create_share_file(path: str, workers: int) -> None:
     """A share file for `workers` slots, all idle, and a turn count of 0. `serve` makes one per
     host before starting its workers; each worker opens it with its own slot."""
     with open(path, "wb") as f:
-        f.write(bytes(SLOT.size * (workers + 1)))
+        f.write(bytes(SLOT.size * (2 * workers + 1)))
 
 
 class CoreShare:
@@ -74,14 +82,15 @@ class CoreShare:
         self.pid = os.getpid()
         self._file = open(path, "r+b")  # kept open: the turn is a lock on this open file
         self._map = mmap.mmap(self._file.fileno(), 0)
-        self.slots = len(self._map) // SLOT.size - 1
+        self.slots = (len(self._map) // SLOT.size - 1) // 2
         if not 0 <= slot < self.slots:
             raise ValueError(f"core-share slot {slot} is outside the file's {self.slots} slots")
         self.slot = slot
-        self._waiting_since: float | None = None  # since when try_step has found the turn taken
+        self._waiting_since: float | None = None  # since when try_step has found the turn (or the cores) taken
         self._handoff: tuple[int, float] | None = None  # (turns taken, until when) after our turn
         self._busy = None
         self.set_busy(False)  # a restarted worker clears what its predecessor left
+        self._set_stepping(0)
 
     def set_busy(self, busy: bool) -> None:
         if not busy:
@@ -100,6 +109,21 @@ class CoreShare:
                 count += 1
         return count
 
+    def _set_stepping(self, threads: int) -> None:
+        SLOT.pack_into(self._map, (self.slots + 1 + self.slot) * SLOT.size,
+                       threads << 32 | self.pid if threads else 0)
+
+    def cores_in_peer_steps(self) -> int:
+        """Threads the peers' running steps hold now (a dead peer's, none)."""
+        held = 0
+        for i in range(self.slots):
+            if i == self.slot:
+                continue
+            (value,) = SLOT.unpack_from(self._map, (self.slots + 1 + i) * SLOT.size)
+            if value and _running(value & 0xFFFFFFFF):
+                held += value >> 32
+        return held
+
     def threads(self) -> int:
         """Split policy: torch threads for this worker's next step, the host's cores split evenly
         among the workers busy now, this one included (at least one)."""
@@ -110,10 +134,17 @@ class CoreShare:
         return SLOT.unpack_from(self._map, self.slots * SLOT.size)[0]
 
     def try_step(self) -> StepCores | None:
-        """The cores for this (busy) worker's next step, or None while a peer's turn lasts:
-        the caller goes on receiving and asks again after TURN_POLL_MS."""
+        """The cores for this (busy) worker's next step, or None while a peer's turn lasts (or,
+        split, while a peer's step holds every core): the caller goes on receiving and asks again
+        after TURN_POLL_MS."""
         if self.policy == "split":
-            return StepCores(self.threads())
+            free = self.cores - self.cores_in_peer_steps()
+            if free <= 0 and self._keep_waiting():
+                return None  # a peer's step holds every core: wait for its end, then split
+            self._waiting_since = None
+            threads = max(1, min(self.threads(), free))
+            self._set_stepping(threads)
+            return StepCores(threads, lambda: self._set_stepping(0))
         if self._handoff is not None:
             taken, until = self._handoff
             if self.turns_taken == taken and time.monotonic() < until and self.busy_peers():
@@ -122,18 +153,25 @@ class CoreShare:
         try:
             fcntl.flock(self._file, fcntl.LOCK_EX | fcntl.LOCK_NB)
         except BlockingIOError:
-            now = time.monotonic()
-            if self._waiting_since is None:
-                self._waiting_since = now
-            if now - self._waiting_since <= TURN_WAIT_LIMIT_S:
+            if self._keep_waiting():
                 return None
-            log.warning("a peer has held this host's cores for %.0f s: stepping without waiting "
-                        "for it", now - self._waiting_since)
-            self._waiting_since = None
             return StepCores(self.cores)
         self._waiting_since = None
         SLOT.pack_into(self._map, self.slots * SLOT.size, self.turns_taken + 1)
         return StepCores(self.cores, self._end_turn)
+
+    def _keep_waiting(self) -> bool:
+        """Whether to go on waiting for a peer's step (True) or, past TURN_WAIT_LIMIT_S of
+        waiting, to step anyway (False, logged)."""
+        now = time.monotonic()
+        if self._waiting_since is None:
+            self._waiting_since = now
+        if now - self._waiting_since <= TURN_WAIT_LIMIT_S:
+            return True
+        log.warning("a peer has held this host's cores for %.0f s: stepping without waiting "
+                    "for it", now - self._waiting_since)
+        self._waiting_since = None
+        return False
 
     def _end_turn(self) -> None:
         self._handoff = (self.turns_taken, time.monotonic() + HANDOFF_WAIT_S)
@@ -141,6 +179,7 @@ class CoreShare:
 
     def close(self) -> None:
         self.set_busy(False)
+        self._set_stepping(0)
         self._map.close()
         self._file.close()
 
