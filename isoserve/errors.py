@@ -128,3 +128,9 @@ class RequestTimeout(InvalidRequest):
 
 
 _BY_CODE[RequestTimeout.code] = RequestTimeout
+
+
+class HeadersTooLarge(InvalidRequest):
+    """The request line and headers are over the server's bound (server/http_protocol.py)."""
+    http_status = 431
+    code = "request_headers_too_large"

@@ -23,6 +23,7 @@ from isoserve.engine.sampling_params import SamplingParams
 from isoserve.errors import IsoserveError, KVIsolationViolation, WorkerUnavailable
 from isoserve.server.app import create_app
 from isoserve.server.backend import GenerationRequest
+from isoserve.server.http_protocol import BoundedHeadProtocol
 from isoserve.server.metrics import Metrics
 from isoserve.server.tenants import (TenantStore, add_tenant, ensure_tenants_file, hash_key,
                                      read_tenants)
@@ -45,7 +46,8 @@ def serve(app, send_buffer: int | None = None) -> tuple[str, uvicorn.Server, thr
     if send_buffer is not None:
         sock.setsockopt(socket.SOL_SOCKET, socket.SO_SNDBUF, send_buffer)
     sock.bind(("127.0.0.1", 0))
-    server = uvicorn.Server(uvicorn.Config(app, log_level="warning", lifespan="off"))
+    server = uvicorn.Server(uvicorn.Config(app, log_level="warning", lifespan="off",
+                                           http=BoundedHeadProtocol))  # as `serve` runs it
     thread = threading.Thread(target=server.run, kwargs={"sockets": [sock]}, daemon=True)
     thread.start()
     deadline = time.monotonic() + 10

@@ -14,7 +14,7 @@ import httpx
 import pytest
 
 from isoserve.server.app import create_app
-from isoserve.server.limits import (MAX_BODY_BYTES, MAX_CONTENT_PARTS, MAX_MESSAGES,
+from isoserve.server.limits import (MAX_BODY_BYTES, MAX_CONTENT_PARTS, MAX_HEADER_BYTES, MAX_MESSAGES,
                                     MAX_NAME_CHARS, MAX_PROMPT_CHARS, MAX_STOP_LENGTH,
                                     MAX_STOP_SEQUENCES, MAX_TOKEN_ID)
 from isoserve.server.metrics import Metrics
@@ -330,3 +330,28 @@ def test_client_that_stops_reading_a_stream_gets_its_request_aborted(slow_url, k
     r = httpx.post(slow_url + "/v1/completions", json={"model": MODEL, "prompt": "hi", "max_tokens": 2},
                    headers={"Authorization": f"Bearer {keys['alice']}"})
     assert r.status_code == 200
+
+
+# ---- the request head: line and headers within MAX_HEADER_BYTES -------------------------------
+
+def _head(key: str, padding: int, end: bool = True) -> bytes:
+    head = (f"GET /v1/models HTTP/1.1\r\nHost: test\r\nAuthorization: Bearer {key}\r\n"
+            f"X-Trace: {'t' * padding}\r\n")
+    return (head + ("\r\n" if end else "")).encode()
+
+
+def test_headers_within_the_bound_are_served_and_over_it_get_431(base_url, keys):
+    with _connect(base_url) as sock:  # a long tracing header, just inside: served, kept alive
+        sock.sendall(_head(keys["alice"], MAX_HEADER_BYTES - 1024))
+        sock.settimeout(10)
+        assert sock.recv(65536).startswith(b"HTTP/1.1 200 ")
+    for padding, end in ((MAX_HEADER_BYTES, True), (4 * MAX_HEADER_BYTES, False)):
+        # Over the bound, whole (one write, answered through the app's response cycle) or
+        # still growing (refused before it ends, as a client streaming an endless header is).
+        with _connect(base_url) as sock:
+            sock.sendall(_head(keys["alice"], padding, end))
+            response = _read_all(sock, 10)
+        head, _, payload = response.partition(b"\r\n\r\n")
+        assert head.startswith(b"HTTP/1.1 431 ") and b"connection: close" in head.lower(), response[:300]
+        assert_openai_error(httpx.Response(431, content=payload), 431, "request_headers_too_large")
+    assert httpx.get(base_url + "/v1/models", headers={"Authorization": f"Bearer {keys['alice']}"}).status_code == 200

@@ -188,7 +188,8 @@ def _worker_command(args, role: str, index: int, router: str, kv_endpoint: str, 
 async def _serve(args) -> int:
     import uvicorn
 
-    from isoserve.server.limits import KEEP_ALIVE_TIMEOUT_S, MAX_HEADER_BYTES
+    from isoserve.server.http_protocol import BoundedHeadProtocol
+    from isoserve.server.limits import KEEP_ALIVE_TIMEOUT_S
 
     from isoserve.disagg.cores import create_share_file, host_cores
     from isoserve.disagg.wire import load_cluster_secret, new_cluster_secret
@@ -273,7 +274,7 @@ async def _serve(args) -> int:
                          limits=limits)
         server = uvicorn.Server(uvicorn.Config(
             app, host=args.host, port=args.port, log_level="warning", lifespan="off",
-            timeout_keep_alive=KEEP_ALIVE_TIMEOUT_S, h11_max_incomplete_event_size=MAX_HEADER_BYTES,
+            http=BoundedHeadProtocol, timeout_keep_alive=KEEP_ALIVE_TIMEOUT_S,
             # A last resort only: _drain_on_exit ends every request explicitly before this.
             timeout_graceful_shutdown=int(args.shutdown_grace) + 10))
         _print_how_to_call(args, settings.model_name, router.max_model_len(), new_key)

@@ -38,8 +38,8 @@ SEND_TIMEOUT_S = 60.0
 # Idle keep-alive connections are closed after this; above the 60 s idle timeout of common load
 # balancers, so they never reuse a connection the server is closing.
 KEEP_ALIVE_TIMEOUT_S = 65
-# Request line plus headers; h11's default is 16 KiB, which long bearer keys and tracing headers
-# can exceed.
+# Request line plus headers (server/http_protocol.py; over it: 431). Common defaults are 8-16 KiB,
+# which long bearer keys and tracing headers can exceed.
 MAX_HEADER_BYTES = 64 * 1024
 
 
