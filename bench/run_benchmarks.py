@@ -223,7 +223,8 @@ def part_serve(run: Run) -> str:
     plot_runs([("disaggregated", d), ("disaggregated, cores by turns", turns), ("aggregated", a)],
               plot, title=f"isoserve serve, {p.model} {p.dtype}")
     body = (f"`isoserve serve` with one prefill and one decode worker (the default: each "
-            f"busy worker takes cores / busy workers threads, so one alone has every core), the "
+            f"busy worker takes cores / busy workers threads, so one alone has every core, but "
+            f"never cores a peer's running step holds), the "
             f"same with `--core-sharing turns` (\"turns\": one busy worker steps at a time with "
             f"every core), and `--mode aggregated` "
             f"(one worker doing both, every core). {p.model} {p.dtype}, "
