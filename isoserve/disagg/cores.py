@@ -27,10 +27,11 @@ the busy ones share the cores by one of two policies:
 The file holds one 8-byte slot per worker (0 when idle, the worker's pid while busy), then one
 8-byte count of turns taken, then one 8-byte slot per worker for the step it is running (0, or
 its threads << 32 | its pid). A slot whose pid no longer runs counts as idle and stepping on no
-cores, so a worker that died busy, or in a step, holds none. The turn itself is an advisory lock on the file (flock): the kernel
-releases it when its holder exits, however it exits. A worker waiting for its turn does not
-block on it: it goes on receiving (a decode worker takes in KV transfers and reserves pages for
-new requests, so the prefill it waits for can start) and tries again between polls.
+cores, so a worker that died busy, or in a step, holds none. The turn itself is an advisory
+lock on the file (flock): the kernel releases it when its holder exits, however it exits. A
+worker waiting for its turn (or, split, for cores) does not block on it: it goes on receiving (a
+decode worker takes in KV transfers and reserves pages for new requests, so the prefill it
+waits for can start) and tries again between polls.
 """
 from __future__ import annotations
 
@@ -86,7 +87,8 @@ class CoreShare:
         if not 0 <= slot < self.slots:
             raise ValueError(f"core-share slot {slot} is outside the file's {self.slots} slots")
         self.slot = slot
-        self._waiting_since: float | None = None  # since when try_step has found the turn (or the cores) taken
+        # Since when try_step has found the turn (or, split, every core) taken.
+        self._waiting_since: float | None = None
         self._handoff: tuple[int, float] | None = None  # (turns taken, until when) after our turn
         self._busy = None
         self.set_busy(False)  # a restarted worker clears what its predecessor left
