@@ -44,6 +44,7 @@ import time
 from typing import Callable
 
 SLOT = struct.Struct("<q")
+PID_MASK = 0xFFFFFFFF  # a running step's slot: its threads << 32 | its pid
 POLICIES = ("split", "turns")
 
 log = logging.getLogger("isoserve.cores")
@@ -84,6 +85,8 @@ class CoreShare:
         self._file = open(path, "r+b")  # kept open: the turn is a lock on this open file
         self._map = mmap.mmap(self._file.fileno(), 0)
         self.slots = (len(self._map) // SLOT.size - 1) // 2
+        self._steps_at = self.slots + 1  # the running steps' slots follow the turn count
+        self._table = struct.Struct(f"<{self.slots}q")  # one slot per worker, read at once
         if not 0 <= slot < self.slots:
             raise ValueError(f"core-share slot {slot} is outside the file's {self.slots} slots")
         self.slot = slot
@@ -92,7 +95,7 @@ class CoreShare:
         self._handoff: tuple[int, float] | None = None  # (turns taken, until when) after our turn
         self._busy = None
         self.set_busy(False)  # a restarted worker clears what its predecessor left
-        self._set_stepping(0)
+        self._end_step()
 
     def set_busy(self, busy: bool) -> None:
         if not busy:
@@ -102,29 +105,24 @@ class CoreShare:
             self._busy = busy
 
     def busy_peers(self) -> int:
-        count = 0
-        for i in range(self.slots):
-            if i == self.slot:
-                continue
-            (pid,) = SLOT.unpack_from(self._map, i * SLOT.size)
-            if pid and _running(pid):
-                count += 1
-        return count
-
-    def _set_stepping(self, threads: int) -> None:
-        SLOT.pack_into(self._map, (self.slots + 1 + self.slot) * SLOT.size,
-                       threads << 32 | self.pid if threads else 0)
+        return sum(1 for pid in self._peer_slots(0) if pid and _running(pid))
 
     def cores_in_peer_steps(self) -> int:
         """Threads the peers' running steps hold now (a dead peer's, none)."""
-        held = 0
-        for i in range(self.slots):
-            if i == self.slot:
-                continue
-            (value,) = SLOT.unpack_from(self._map, (self.slots + 1 + i) * SLOT.size)
-            if value and _running(value & 0xFFFFFFFF):
-                held += value >> 32
-        return held
+        return sum(value >> 32 for value in self._peer_slots(self._steps_at)
+                   if value and _running(value & PID_MASK))
+
+    def _peer_slots(self, first: int) -> list[int]:
+        """The peers' values in the table of per-worker slots that starts at slot `first`."""
+        table = self._table.unpack_from(self._map, first * SLOT.size)
+        return [value for i, value in enumerate(table) if i != self.slot]
+
+    def _set_stepping(self, threads: int) -> None:
+        SLOT.pack_into(self._map, (self._steps_at + self.slot) * SLOT.size,
+                       threads << 32 | self.pid if threads else 0)
+
+    def _end_step(self) -> None:
+        self._set_stepping(0)
 
     def threads(self) -> int:
         """Split policy: torch threads for this worker's next step, the host's cores split evenly
@@ -146,7 +144,7 @@ class CoreShare:
             self._waiting_since = None
             threads = max(1, min(self.threads(), free))
             self._set_stepping(threads)
-            return StepCores(threads, lambda: self._set_stepping(0))
+            return StepCores(threads, self._end_step)
         if self._handoff is not None:
             taken, until = self._handoff
             if self.turns_taken == taken and time.monotonic() < until and self.busy_peers():
@@ -181,7 +179,7 @@ class CoreShare:
 
     def close(self) -> None:
         self.set_busy(False)
-        self._set_stepping(0)
+        self._end_step()
         self._map.close()
         self._file.close()
 

@@ -31,6 +31,9 @@ _ERROR = HeadersTooLarge(f"The request line and headers exceed {MAX_HEADER_BYTES
 _BODY = json.dumps(_ERROR.to_openai()).encode()
 _HEAD = [(b"content-type", b"application/json"), (b"content-length", b"%d" % len(_BODY)),
          (b"connection", b"close")]
+# The same response as bytes, for a head refused before it ends (no response cycle exists yet).
+_RAW = (b"HTTP/1.1 431 Request Header Fields Too Large\r\n"
+        + b"".join(b"%s: %s\r\n" % h for h in _HEAD) + b"\r\n" + _BODY)
 
 
 async def _refuse(scope, receive, send) -> None:
@@ -69,7 +72,7 @@ class BoundedHeadProtocol(HttpToolsProtocol):
 
     def on_headers_complete(self) -> None:
         over = self._fields > MAX_HEADER_BYTES
-        self._in_head, self._received, self._fields = False, 0, 0
+        self._in_head, self._received = False, 0  # _fields starts again at the next message
         if not over:
             super().on_headers_complete()
             return
@@ -91,8 +94,7 @@ class BoundedHeadProtocol(HttpToolsProtocol):
             # request is aborted as for any client that disconnects.
             self.transport.close()
             return
-        head = b"".join(b"%s: %s\r\n" % h for h in _HEAD)
-        self.transport.write(b"HTTP/1.1 431 Request Header Fields Too Large\r\n" + head + b"\r\n" + _BODY)
+        self.transport.write(_RAW)
         # A lingering close: the client is likely still sending its head. Closing now, with its
         # bytes unread, would reset the connection and could destroy the 431 before the client
         # reads it. So the write side ends here, and what still arrives is dropped unparsed
