@@ -67,6 +67,13 @@ def build_parser() -> argparse.ArgumentParser:
     serve.add_argument("--prefill-max-num-seqs", type=int, default=None, metavar="N",
                        help="prompts a prefill worker computes in one step at most (default: "
                             "--max-num-seqs); fewer hand their KV to decode sooner")
+    serve.add_argument("--prefill-max-batched-tokens", type=int, default=None, metavar="N",
+                       help="prompt tokens a prefill worker computes in one step at most (default: "
+                            "--max-batched-tokens, at least 4096): a burst of prompts in one step")
+    serve.add_argument("--prefill-gather-ms", type=float, default=20.0, metavar="MS",
+                       help="a prefill worker with no step running holds new prompts until none has "
+                            "arrived for MS milliseconds (at most 5x MS), so that a burst is computed "
+                            "in one step (default 20; 0 = start at once)")
     serve.add_argument("--aggregated-workers", type=int, default=1, help="workers in --mode aggregated")
     serve.add_argument("--tenants", default=os.path.expanduser("~/.config/isoserve/tenants.toml"),
                        help="tenants file (TOML, keys stored hashed); created on first start")
@@ -134,6 +141,9 @@ def build_parser() -> argparse.ArgumentParser:
     worker.add_argument("--core-share-slot", type=int, default=0, help="this worker's slot in that file")
     worker.add_argument("--core-sharing", choices=POLICIES, default="split",
                         help="with --core-share-file: split the cores, or take turns with all of them")
+    worker.add_argument("--prefill-gather-ms", type=float, default=20.0, metavar="MS",
+                        help="prefill: hold new prompts until none has arrived for MS milliseconds "
+                             "(at most 5x MS) before a step, so that a burst is one step (default 20)")
 
     check = sub.add_parser("check-config", help="audit pool sizes against the context, without serving")
     _engine_args(check)

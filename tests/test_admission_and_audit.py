@@ -380,6 +380,18 @@ def test_serve_passes_prefill_max_num_seqs_to_prefill_workers_only():
     assert "--no-fused-kernels" in prefill and "--no-fused-kernels" in decode
     default = parse("--max-num-seqs", "48")
     assert flag(_worker_command(default, "prefill", 0, "ipc:///r", "ipc:///kv", 1), "--max-num-seqs") == "48"
+    # A prefill worker's step budget and burst gather (disagg/bursts.py): its own flags, parsed
+    # back by the worker's command line; decode keeps --max-batched-tokens and gathers nothing.
+    for argv, want in [((), ("4096", "20.0")), (("--max-batched-tokens", "8192"), ("8192", "20.0")),
+                       (("--prefill-max-batched-tokens", "1024", "--prefill-gather-ms", "0"), ("1024", "0.0"))]:
+        args = parse(*argv)
+        prefill = _worker_command(args, "prefill", 0, "ipc:///r", "ipc:///kv", 1)
+        decode = _worker_command(args, "decode", 0, "ipc:///r", "ipc:///kv", 1)
+        assert (flag(prefill, "--max-batched-tokens"), flag(prefill, "--prefill-gather-ms")) == want
+        assert flag(decode, "--max-batched-tokens") == str(args.max_batched_tokens)
+        assert "--prefill-gather-ms" not in decode
+        worker_args = build_parser().parse_args(prefill[prefill.index("worker"):])
+        assert (worker_args.max_batched_tokens, worker_args.prefill_gather_ms) == (int(want[0]), float(want[1]))
     # Sharing the host's cores: the worker gets the share file and its own slot, which its own
     # command line parses back to the same pair.
     shared = _worker_command(default, "decode", 0, "ipc:///r", "ipc:///kv", 1, ("/run/cores.share", 1))

@@ -220,6 +220,45 @@ def test_a_lone_busy_worker_takes_the_idle_workers_cores(disagg, tenants, model)
     assert 0 < seconds / grown["decode"] < 1.0, (seconds, grown)
 
 
+def _steps(server: Server, role: str) -> float:
+    return sum(_by_threads(server, role).values())
+
+
+def test_a_burst_of_requests_is_prefilled_in_one_step_and_decoded_together(
+        tmp_path, model, tenants, secret_file, reference):
+    """Eight requests sent at once: the prefill worker holds the first until the others are in
+    (a wide --prefill-gather-ms here, so a slow test host cannot split the burst) and computes
+    all eight in one step; it tells the decode worker how many transfers follow each, and the
+    decode worker starts none of its steps before the last is in, so all eight decode in
+    lockstep: 11 decode steps for 12 tokens each (the first comes from prefill)."""
+    from concurrent.futures import ThreadPoolExecutor
+
+    with running_server(tmp_path, "--model", model, "--dtype", "float32", "--tenants", str(tenants[0]),
+                        "--prefill-kv-tokens", "4096", "--decode-kv-tokens", "4096",
+                        "--prefill-gather-ms", "1000",
+                        "--cluster-secret-file", str(secret_file)) as server:
+        assert "holding a burst of prompts until none arrives for 1000 ms" in server.log()
+        before = {role: _steps(server, role) for role in ("prefill", "decode")}
+        c = client(server, tenants[1]["alice"])
+        prompts = [PROMPTS[i % len(PROMPTS)] + " " * (i // len(PROMPTS)) for i in range(8)]
+        with ThreadPoolExecutor(8) as pool:
+            texts = list(pool.map(lambda p: c.completions.create(
+                model=model, prompt=p, max_tokens=12, temperature=0,
+                extra_body={"ignore_eos": True}).choices[0].text, prompts))
+        for p, text in zip(prompts, texts):  # held, not changed
+            assert text == reference.generate(p, SamplingParams(max_tokens=12, temperature=0,
+                                                                ignore_eos=True))[0].text
+        deadline = time.monotonic() + 10
+        while True:  # the counts arrive with the workers' heartbeats, every half second
+            grown = {role: _steps(server, role) - before[role] for role in ("prefill", "decode")}
+            if (grown["prefill"] >= 1 and grown["decode"] >= 11) or time.monotonic() > deadline:
+                break
+            time.sleep(0.2)
+        time.sleep(1.2)  # two more heartbeats: no step is still to be counted
+        grown = {role: _steps(server, role) - before[role] for role in ("prefill", "decode")}
+        assert grown == {"prefill": 1, "decode": 11}, grown
+
+
 def test_two_workers_per_role_over_tcp_serve_50_concurrent_requests_from_3_tenants(
         tmp_path, model, tenants, secret_file, reference):
     router_port = free_port()

@@ -46,6 +46,10 @@ class Manifest:
     first_token: int
     first_logprob: dict | None  # {"logprob": float, "top": [[token, logprob], ...]}
     sent_at: float
+    # How many more transfers the sender is sending to this decode worker right after this one,
+    # from the same prefill step: a scheduling hint (disagg/bursts.py), never trusted for
+    # correctness; a transfer is verified alone, against its own reservation.
+    following: int = 0
 
     def to_wire(self) -> dict:
         return asdict(self)
@@ -67,7 +71,8 @@ def checksum(buf) -> int:
     return crc32c.crc32c(memoryview(buf).cast("B"))
 
 
-def build_manifest(pool: KVPool, seq: Sequence, first_logprob: dict | None, sent_at: float):
+def build_manifest(pool: KVPool, seq: Sequence, first_logprob: dict | None, sent_at: float,
+                   following: int = 0):
     """Manifest and payload frames for the KV of seq's prompt (seq.num_computed tokens)."""
     size = pool.page_size
     n = seq.num_computed
@@ -79,7 +84,7 @@ def build_manifest(pool: KVPool, seq: Sequence, first_logprob: dict | None, sent
                                   checksum(frame)))
         frames.append(frame)
     first = seq.output_token_ids[0]
-    return Manifest(seq.request_id, n, size, records, first, first_logprob, sent_at), frames
+    return Manifest(seq.request_id, n, size, records, first, first_logprob, sent_at, following), frames
 
 
 def verify_transfer(manifest: Manifest, frames: list, seq: Sequence, pool: KVPool, *,

@@ -6,11 +6,12 @@ import logging
 import os
 import time
 from abc import ABC, abstractmethod
-from collections import deque
+from collections import Counter, deque
 from typing import TYPE_CHECKING
 
 from isoserve.admission import effective_prompt_limit
 from isoserve import failpoints
+from isoserve.disagg.bursts import PromptGather, TransferBurst
 from isoserve.disagg.manifest import (Manifest, TransferRejected, apply_transfer_faults,
                                       build_manifest, verify_transfer, write_transfer)
 from isoserve.disagg.transport import ZmqKVReceiver, ZmqKVSender
@@ -47,6 +48,10 @@ class Role(ABC):
 
     def busy(self) -> bool:
         return False
+
+    def step_hold_s(self) -> float:
+        """Seconds the worker should wait (receiving) before its next step; 0: step now."""
+        return 0.0
 
     def queued_request_ids(self) -> list[str]:
         """Requests this role holds outside the engine (none, unless a role queues its own)."""
@@ -91,6 +96,8 @@ class PrefillRole(Role):
         # Decode workers the router reported down, until it names them again (after they
         # re-registered): KV for them is never sent, or it would wait in zmq holding our pages.
         self.down_endpoints: set[str] = set()
+        cfg = self.engine.config
+        self.gather = PromptGather(worker.opts.prefill_gather_s, cfg.max_batched_tokens, cfg.max_num_seqs)
 
     def prompt_limit(self, max_tokens: int) -> int:
         return effective_prompt_limit(self.engine.context_length, [self.engine.capacity_tokens], [],
@@ -120,6 +127,15 @@ class PrefillRole(Role):
             self.engine.add_request(rid, prompt[:1], first_only, keep_kv_on_finish=True)
         self.decode_endpoints[rid] = b["decode_endpoint"]
         self.down_endpoints.discard(b["decode_endpoint"])
+        self.gather.arrived(time.monotonic())
+
+    def step_hold_s(self) -> float:
+        if not self.gather.holding:
+            return 0.0
+        scheduler = self.engine.scheduler
+        return self.gather.hold_s(time.monotonic(), idle=not scheduler.running,
+                                  waiting_tokens=sum(s.num_tokens for s in scheduler.waiting),
+                                  waiting_seqs=len(scheduler.waiting))
 
     def _drop_peer(self, endpoint: str) -> None:
         """The router saw that decode worker go down: transfers queued to it will never be taken.
@@ -130,20 +146,27 @@ class PrefillRole(Role):
             log.warning("decode worker at %s is down: discarded the KV transfers queued to it", endpoint)
 
     def on_outputs(self, outputs) -> None:
-        for out in outputs:
-            endpoint = self.decode_endpoints.pop(out.request_id, None)
+        ends = [(out, self.decode_endpoints.pop(out.request_id, None)) for out in outputs]
+        # This step's transfers to each decode worker, so that each can say how many follow it.
+        to_send = Counter(endpoint for out, endpoint in ends if self._sends_kv(out, endpoint))
+        for out, endpoint in ends:
             if out.error is not None:
                 self.worker.send_outputs([out])
             elif out.finish_reason != "abort" and endpoint in self.down_endpoints:
                 self.engine.release(out.request_id)
                 self.worker.send_error(out.request_id, WorkerUnavailable(
                     f"the decode worker for request {out.request_id} went down"))
-            elif out.finish_reason != "abort" and endpoint is not None:
-                self._send_kv(out.request_id, endpoint)
+            elif self._sends_kv(out, endpoint):
+                to_send[endpoint] -= 1
+                self._send_kv(out.request_id, endpoint, following=to_send[endpoint])
             elif out.finished:
                 self.engine.release(out.request_id)  # nobody to send to: never hold the pages
 
-    def _send_kv(self, rid: str, endpoint: str) -> None:
+    def _sends_kv(self, out, endpoint: str | None) -> bool:
+        return (out.error is None and out.finish_reason != "abort" and endpoint is not None
+                and endpoint not in self.down_endpoints)
+
+    def _send_kv(self, rid: str, endpoint: str, following: int) -> None:
         seq = self.engine.requests[rid]
         # Sending KV reads it: the same read guard as a forward step, over the whole prompt.
         violation = self.engine.check_owned(seq, seq.num_computed)
@@ -157,7 +180,7 @@ class PrefillRole(Role):
         delay_ms = failpoints.FAILPOINTS.value("transfer.delay_ms")
         if delay_ms:
             time.sleep(delay_ms / 1000)
-        manifest, frames = build_manifest(self.engine.pool, seq, first_lp, time.time())
+        manifest, frames = build_manifest(self.engine.pool, seq, first_lp, time.time(), following)
         if failpoints.fire("prefill.crash_mid_transfer"):
             log.error("FAILPOINT prefill.crash_mid_transfer: exiting while sending %s", rid)
             os._exit(70)
@@ -194,6 +217,7 @@ class DecodeRole(Role):
         guards = worker.opts.disabled_guards
         self.check_coverage = "transfer_coverage" not in guards
         self.check_checksums = "transfer_checksum" not in guards
+        self.burst = TransferBurst()
 
     def prompt_limit(self, max_tokens: int) -> int:
         return effective_prompt_limit(self.engine.context_length, [], [self.engine.capacity_tokens],
@@ -248,7 +272,12 @@ class DecodeRole(Role):
         if msg.kind != "kv":
             self.worker.count("rejected_transfers_kind")
             return
-        self._accept(Manifest.from_wire(msg.body), msg.payload)
+        manifest = Manifest.from_wire(msg.body)
+        self.burst.received(manifest.following, time.monotonic())
+        self._accept(manifest, msg.payload)
+
+    def step_hold_s(self) -> float:
+        return self.burst.hold_s(time.monotonic())
 
     def _accept(self, manifest: Manifest, frames) -> None:
         rid = manifest.request_id

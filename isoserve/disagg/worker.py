@@ -1,7 +1,8 @@
 """A worker process: one engine, one KV pool, one thread, driven by messages from the router.
 
     loop: receive (router, and KV transfers on decode workers) -> take cores -> engine.step()
-          -> send outputs; while a peer's turn on the cores lasts, receive again
+          -> send outputs; while a peer's turn on the cores lasts, or the rest of a burst of
+          prompts or transfers is on its way (bursts.py), receive again
 
 "take cores" applies only to workers sharing a host's cores with their peers (cores.py): by
 split (cores / busy workers each) or turns (one steps at a time, with every core).
@@ -12,6 +13,7 @@ worker; "decode" receives verified KV and generates; "aggregated" does both in o
 from __future__ import annotations
 
 import logging
+import math
 import os
 import socket
 import threading
@@ -52,6 +54,7 @@ class WorkerOptions:
     disabled_guards: frozenset[str] = field(default_factory=frozenset)
     core_share: tuple[str, int] | None = None  # (share file, this worker's slot): see cores.py
     core_sharing: str = "split"     # how workers sharing a host's cores use them: split | turns
+    prefill_gather_s: float = 0.0   # prefill: hold a burst of prompts this long (disagg/bursts.py)
 
 
 class Worker:
@@ -132,14 +135,23 @@ class Worker:
         log.info("worker %s (%s) registering with %s", self.id, self.opts.role, self.opts.router)
         last_beat = 0.0
         awaiting_turn = False
+        if self.cores:
+            self._between_steps_on_one_thread()
         while not self.stopping:
             self.loop_at = time.monotonic()
             busy = self.engine.has_work() or self.role.busy()
-            events = dict(self.poller.poll(TURN_POLL_MS if awaiting_turn else 0 if busy else 20))
+            hold_s = self.role.step_hold_s()  # the rest of a burst is on its way (bursts.py)
+            if awaiting_turn:
+                wait_ms = TURN_POLL_MS
+            elif hold_s:
+                wait_ms = math.ceil(hold_s * 1000)
+            else:
+                wait_ms = 0 if busy else 20
+            events = dict(self.poller.poll(wait_ms))
             if self.router in events:
                 self._drain(self.router, self._on_router_message)
             self.role.poll_extra(events)
-            stepping = self.registered and self.engine.has_work()
+            stepping = self.registered and self.engine.has_work() and not self.role.step_hold_s()
             if self.cores:
                 self.cores.set_busy(stepping)
             cores = self._cores_for_step() if stepping else None
@@ -156,6 +168,8 @@ class Worker:
                         # Idle before the outputs go out: a peer can start on them (a prompt's
                         # KV) at once, and should find our cores free.
                         self.cores.set_busy(False)
+                if self.cores:
+                    self._between_steps_on_one_thread()
                 self.role.on_outputs(outputs)
                 delay_ms = failpoints.FAILPOINTS.value("worker.step_delay_ms")
                 if delay_ms:
@@ -174,6 +188,15 @@ class Worker:
             self.cores.close()
         self.ctx.term()
         return 0
+
+    def _between_steps_on_one_thread(self) -> None:
+        """What a worker sharing the host's cores does between steps (building and accepting KV
+        transfers, sending outputs) is no step the share accounts for, so it runs on one torch
+        thread. Spread over two OpenMP threads while the peer stepped on both cores, those copies
+        put three threads on two cores: the 32 transfers of one prefill step took 0.2-1.2 s
+        to build instead of 0.03-0.06 (docs/benchmarks.md). Each step sets its own count again."""
+        if torch.get_num_threads() != 1:
+            torch.set_num_threads(1)
 
     def _cores_for_step(self) -> StepCores | None:
         """The cores this (busy) worker's next step may use, as torch threads, or None while it

@@ -62,7 +62,8 @@ def run_worker(args) -> NoReturn:
                          disabled_guards=args.disabled_guards,
                          core_share=((args.core_share_file, args.core_share_slot)
                                      if args.core_share_file else None),
-                         core_sharing=args.core_sharing)
+                         core_sharing=args.core_sharing,
+                         prefill_gather_s=args.prefill_gather_ms / 1000)
     worker = Worker(opts)
     for sig in (signal.SIGTERM, signal.SIGINT):
         signal.signal(sig, lambda *_: setattr(worker, "stopping", True))
@@ -150,6 +151,17 @@ def _max_num_seqs(args, role: str) -> int:
     return args.max_num_seqs
 
 
+# A prefill worker's default step budget: 32 prompts of ~100 tokens in one step, not two (the
+# first of which would start decoding, and then finish, apart from the rest: disagg/bursts.py).
+PREFILL_MIN_BATCHED_TOKENS = 4096
+
+
+def _max_batched_tokens(args, role: str) -> int:
+    if role != "prefill":
+        return args.max_batched_tokens
+    return args.prefill_max_batched_tokens or max(args.max_batched_tokens, PREFILL_MIN_BATCHED_TOKENS)
+
+
 def _worker_command(args, role: str, index: int, router: str, kv_endpoint: str, threads: int,
                     core_share: tuple[str, int] | None = None) -> list[str]:
     prefix = "" if role == "aggregated" else f"{role}_"
@@ -157,12 +169,14 @@ def _worker_command(args, role: str, index: int, router: str, kv_endpoint: str, 
            "--role", role, "--router", router, "--worker-id", f"{role}-{index}",
            "--model", args.model, "--dtype", args.dtype, "--device", args.device,
            "--page-size", str(args.page_size), "--max-num-seqs", str(_max_num_seqs(args, role)),
-           "--max-batched-tokens", str(args.max_batched_tokens),
+           "--max-batched-tokens", str(_max_batched_tokens(args, role)),
            "--transfer-timeout", str(args.transfer_timeout), "--threads", str(threads)]
     if args.int4_max_rows is not None:  # otherwise each worker takes its own kernel's default
         cmd += ["--int4-max-rows", str(args.int4_max_rows)]
     if args.context_length:
         cmd += ["--context-length", str(args.context_length)]
+    if role == "prefill":
+        cmd += ["--prefill-gather-ms", str(args.prefill_gather_ms)]
     if core_share:
         cmd += ["--core-share-file", core_share[0], "--core-share-slot", str(core_share[1]),
                 "--core-sharing", args.core_sharing]
@@ -241,6 +255,11 @@ async def _serve(args) -> int:
                      "all of them; --no-share-idle-cores pins them)", total, cores, threads, cores)
     else:
         log.info("%d worker(s), %d torch thread(s) each, on %d core(s)", total, threads, cores)
+    if args.mode != "aggregated":
+        log.info("steps: a prefill worker computes up to %d prompt tokens (%d prompts) a step, holding "
+                 "a burst of prompts until none arrives for %g ms (--prefill-gather-ms); a decode "
+                 "worker decodes up to %d sequences a step", _max_batched_tokens(args, "prefill"),
+                 _max_num_seqs(args, "prefill"), args.prefill_gather_ms, _max_num_seqs(args, "decode"))
     slots = iter(range(total))
     env = {**os.environ, "ISOSERVE_CLUSTER_SECRET": secret.decode()}
     supervisor = Supervisor(lambda cmd: subprocess.Popen(cmd, env=env, preexec_fn=_die_with_parent),
