@@ -7,7 +7,9 @@
 // and RoPE within 8%): 512-bit multiply-adds, shifts and conversions share one port, which
 // bounds both versions. Each step is the scalar code's own operation, in its order, with a
 // multiply-add wherever gcc contracts the scalar expression into one, so the results are the
-// scalar kernels' to the bit (tests/test_fused_kernels.py holds both to the torch reference).
+// scalar kernels' to the bit (tests/test_fused_kernels.py holds both to the torch reference),
+// except denormal outputs of SwiGLU, RMSNorm and RoPE, which their rounding (bf16x16_bits_ftz
+// below) flushes to zero.
 #pragma once
 
 #include <immintrin.h>
@@ -55,12 +57,30 @@ inline __m256i bf16x16_bits(__m512 v) {
   return _mm512_cvtepi32_epi16(r);
 }
 
+// The same rounding by the CPU's own instruction (vcvtneps2bf16, AVX512-BF16), one instruction
+// where bf16x16_bits takes seven, but with denormals (below 1.2e-38) flushed to zero: for the
+// outputs of SwiGLU, RMSNorm and RoPE, where a flush is far inside the kernels' tolerance. The
+// residual stream keeps the exact rounding (add_rms_norm's in-place sum equals torch's).
+inline __m256i bf16x16_bits_ftz(__m512 v) {
+#if defined(__AVX512BF16__)
+  return reinterpret_cast<__m256i>(_mm512_cvtneps_pbh(v));
+#else
+  return bf16x16_bits(v);
+#endif
+}
+
 inline void store_bf16x16(void* p, __m512 v) {
   _mm256_storeu_si256(static_cast<__m256i*>(p), bf16x16_bits(v));
 }
 
 // The float32 value of v rounded to bfloat16 (round_to<BFloat16> in cpu_ops.cpp).
 inline __m512 round_bf16x16(__m512 v) { return widen_bf16x16(bf16x16_bits(v)); }
+
+// The same two by the CPU's instruction, denormals flushed (bf16x16_bits_ftz).
+inline void store_bf16x16_ftz(void* p, __m512 v) {
+  _mm256_storeu_si256(static_cast<__m256i*>(p), bf16x16_bits_ftz(v));
+}
+inline __m512 round_bf16x16_ftz(__m512 v) { return widen_bf16x16(bf16x16_bits_ftz(v)); }
 
 // cpu_ops.cpp's fast_exp, sixteen lanes at a time (its comment says why each step is there).
 inline __m512 exp16(__m512 input) {
@@ -72,6 +92,7 @@ inline __m512 exp16(__m512 input) {
   const __m512 two_n = _mm512_castsi512_ps(_mm512_slli_epi32(_mm512_add_epi32(_mm512_cvttps_epi32(n), _mm512_set1_epi32(127)), 23));
   return _mm512_mask_mov_ps(_mm512_mul_ps(p, two_n), _mm512_cmp_ps_mask(input, input, _CMP_UNORD_Q), input);
 }
+
 
 }  // namespace isoserve
 

@@ -131,7 +131,7 @@ inline void rms_norm_row_bf16(c10::BFloat16* x, const c10::BFloat16* y, const c1
   _mm512_storeu_ps(lanes, squares);
   const __m512 inv = _mm512_set1_ps(1.0f / std::sqrt(sum_lanes(lanes) / static_cast<float>(n) + eps));
   for (int64_t i = 0; i < n; i += kLanes)
-    store_bf16x16(out + i, _mm512_mul_ps(load_bf16x16(w + i), round_bf16x16(_mm512_mul_ps(load_bf16x16(x + i), inv))));
+    store_bf16x16_ftz(out + i, _mm512_mul_ps(load_bf16x16(w + i), round_bf16x16_ftz(_mm512_mul_ps(load_bf16x16(x + i), inv))));
 }
 #endif
 
@@ -208,8 +208,8 @@ void silu_mul_rows(const T* in, T* out, int64_t rows, int64_t n) {
         const __m512 one = _mm512_set1_ps(1.0f), sign = _mm512_set1_ps(-0.0f);
         for (; i + kLanes <= n; i += kLanes) {
           const __m512 x = load_bf16x16(g + i);
-          const __m512 silu = round_bf16x16(_mm512_div_ps(x, _mm512_add_ps(one, exp16(_mm512_xor_ps(x, sign)))));
-          store_bf16x16(o + i, _mm512_mul_ps(silu, load_bf16x16(u + i)));
+          const __m512 silu = round_bf16x16_ftz(_mm512_div_ps(x, _mm512_add_ps(one, exp16(_mm512_xor_ps(x, sign)))));
+          store_bf16x16_ftz(o + i, _mm512_mul_ps(silu, load_bf16x16(u + i)));
         }
       }
 #endif
@@ -247,10 +247,10 @@ inline void rotate(const T* x, const T* c, const T* s, T* out, int64_t dim) {
       const __m512 sign = _mm512_set1_ps(-0.0f);
       for (int64_t d = 0; d < half; d += kLanes) {
         const __m512 low = load_bf16x16(x + d), high = load_bf16x16(x + d + half);
-        store_bf16x16(out + d, _mm512_add_ps(round_bf16x16(_mm512_mul_ps(low, load_bf16x16(c + d))),
-                                             round_bf16x16(_mm512_mul_ps(_mm512_xor_ps(high, sign), load_bf16x16(s + d)))));
-        store_bf16x16(out + d + half, _mm512_add_ps(round_bf16x16(_mm512_mul_ps(high, load_bf16x16(c + d + half))),
-                                                    round_bf16x16(_mm512_mul_ps(low, load_bf16x16(s + d + half)))));
+        store_bf16x16_ftz(out + d, _mm512_add_ps(round_bf16x16_ftz(_mm512_mul_ps(low, load_bf16x16(c + d))),
+                                                 round_bf16x16_ftz(_mm512_mul_ps(_mm512_xor_ps(high, sign), load_bf16x16(s + d)))));
+        store_bf16x16_ftz(out + d + half, _mm512_add_ps(round_bf16x16_ftz(_mm512_mul_ps(high, load_bf16x16(c + d + half))),
+                                                        round_bf16x16_ftz(_mm512_mul_ps(low, load_bf16x16(s + d + half)))));
       }
       return;
     }
