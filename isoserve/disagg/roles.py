@@ -148,7 +148,9 @@ class PrefillRole(Role):
     def on_outputs(self, outputs) -> None:
         ends = [(out, self.decode_endpoints.pop(out.request_id, None)) for out in outputs]
         # This step's transfers to each decode worker, so that each can say how many follow it.
-        to_send = Counter(endpoint for out, endpoint in ends if self._sends_kv(out, endpoint))
+        to_send = Counter(endpoint for out, endpoint in ends
+                          if out.error is None and out.finish_reason != "abort" and endpoint is not None
+                          and endpoint not in self.down_endpoints)
         for out, endpoint in ends:
             if out.error is not None:
                 self.worker.send_outputs([out])
@@ -156,15 +158,11 @@ class PrefillRole(Role):
                 self.engine.release(out.request_id)
                 self.worker.send_error(out.request_id, WorkerUnavailable(
                     f"the decode worker for request {out.request_id} went down"))
-            elif self._sends_kv(out, endpoint):
+            elif out.finish_reason != "abort" and endpoint is not None:
                 to_send[endpoint] -= 1
                 self._send_kv(out.request_id, endpoint, following=to_send[endpoint])
             elif out.finished:
                 self.engine.release(out.request_id)  # nobody to send to: never hold the pages
-
-    def _sends_kv(self, out, endpoint: str | None) -> bool:
-        return (out.error is None and out.finish_reason != "abort" and endpoint is not None
-                and endpoint not in self.down_endpoints)
 
     def _send_kv(self, rid: str, endpoint: str, following: int) -> None:
         seq = self.engine.requests[rid]

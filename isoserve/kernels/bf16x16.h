@@ -93,7 +93,6 @@ inline __m512 exp16(__m512 input) {
   return _mm512_mask_mov_ps(_mm512_mul_ps(p, two_n), _mm512_cmp_ps_mask(input, input, _CMP_UNORD_Q), input);
 }
 
-
 }  // namespace isoserve
 
 #endif
