@@ -47,7 +47,7 @@ from isoserve.bench.local_server import (add_tenant, child_env, isoserve_cmd, lo
                                          shown)
 from isoserve.bench.machine import describe, machine_facts  # noqa: E402
 from isoserve.bench.plot import plot_runs  # noqa: E402
-from isoserve.config import GUARD_NAMES  # noqa: E402
+from isoserve.config import GUARD_NAMES, dtype_name  # noqa: E402
 
 PARTS = ("offline", "serve", "target", "guards", "transfer", "llamacpp", "prefill", "roofline")
 TITLE = "# Benchmarks"
@@ -534,7 +534,8 @@ def main() -> int:
     ap.add_argument("--parts", default=",".join(PARTS), help=f"comma-separated: {', '.join(PARTS)}")
     ap.add_argument("--quick", action="store_true", help="smoke run: few requests, short outputs")
     ap.add_argument("--model", default="smollm2-135m-instruct")
-    ap.add_argument("--dtype", default="bfloat16", choices=["bfloat16", "float32"])
+    ap.add_argument("--dtype", default="auto", choices=["auto", "bfloat16", "float32"],
+                    help="auto (default): bfloat16 where this CPU computes in it natively, else float32")
     ap.add_argument("--guard-rounds", type=int, default=None,
                     help="times each guard configuration runs (default 2; 1 with --quick)")
     ap.add_argument("--target-rounds", type=int, default=None,
@@ -544,6 +545,7 @@ def main() -> int:
                          "bench/out/benchmarks-quick.md with --quick)")
     ap.add_argument("--work", type=Path, default=None, help="scratch folder (default bench/out/run-DATE)")
     args = ap.parse_args()
+    args.dtype = dtype_name(args.dtype)  # every command and heading names the dtype that ran
     parts = [p.strip() for p in args.parts.split(",") if p.strip()]
     unknown = set(parts) - set(PARTS)
     if unknown:

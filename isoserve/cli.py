@@ -6,14 +6,16 @@ import logging
 import os
 import sys
 
-from isoserve.config import GUARD_NAMES, parse_guard_names
+from isoserve.config import DTYPE_CHOICES, GUARD_NAMES, dtype_name, parse_guard_names
 from isoserve.disagg.cores import POLICIES
 
 
 def _engine_args(p: argparse.ArgumentParser) -> None:
     p.add_argument("--model", default="smollm2-135m-instruct",
                    help="smollm2-135m-instruct (default), a .gguf file or a Hugging Face checkpoint folder")
-    p.add_argument("--dtype", default="bfloat16", choices=["bfloat16", "float32", "float16"])
+    p.add_argument("--dtype", default="auto", choices=DTYPE_CHOICES,
+                   help="auto (default): bfloat16 where the CPU (or GPU) computes in it natively, "
+                        "float32 elsewhere")
     p.add_argument("--device", default="cpu", help="cpu (default) or cuda")
     p.add_argument("--page-size", type=int, default=16, help="tokens per KV page (default 16)")
     p.add_argument("--context-length", type=int, default=None, help="default: the model's")
@@ -172,12 +174,20 @@ def build_parser() -> argparse.ArgumentParser:
     return parser
 
 
+def decide_dtype(args: argparse.Namespace) -> None:
+    """--dtype auto becomes the dtype it stands for, once, here: the router sizes the pools with
+    it and starts its workers with it, and every log line names it."""
+    if getattr(args, "dtype", None) == "auto":
+        args.dtype = dtype_name("auto", getattr(args, "device", "cpu"))
+
+
 def main(argv: list[str] | None = None) -> int:
     args = build_parser().parse_args(argv)
     logging.basicConfig(level=args.log_level.upper(),
                         format="%(asctime)s %(levelname)s %(name)s: %(message)s")
     if hasattr(args, "unsafe_disable_guard"):
         args.disabled_guards = parse_guard_names(args.unsafe_disable_guard)
+    decide_dtype(args)
     if args.command == "serve":
         from isoserve.server.launcher import serve
         return serve(args)

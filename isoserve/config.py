@@ -18,15 +18,34 @@ GUARD_NAMES = ("admission", "capacity_audit", "writer_tags", "transfer_coverage"
 DTYPES = {"bfloat16": torch.bfloat16, "bf16": torch.bfloat16,
           "float32": torch.float32, "fp32": torch.float32,
           "float16": torch.float16, "fp16": torch.float16}
+DTYPE_CHOICES = ("auto", "bfloat16", "float32", "float16")  # the --dtype flags' choices
+_NAMES = {torch.bfloat16: "bfloat16", torch.float32: "float32", torch.float16: "float16"}
 
 
-def parse_dtype(name: str | torch.dtype) -> torch.dtype:
+def native_bfloat16(device: str = "cpu") -> bool:
+    """Whether bfloat16 matmuls run natively here. On CPU that is oneDNN's own test (AVX-512
+    BW/VL/DQ, or AVX-NE-CONVERT): without it oneDNN refuses to prepack a bfloat16 weight, and
+    torch's fallback widens every weight to float32 on every call, slower than float32 itself."""
+    if torch.device(device).type == "cuda":
+        return torch.cuda.is_available() and torch.cuda.is_bf16_supported()
+    return torch.backends.mkldnn.is_available() and torch.ops.mkldnn._is_mkldnn_bf16_supported()
+
+
+def parse_dtype(name: str | torch.dtype, device: str = "cpu") -> torch.dtype:
+    """A dtype by name; "auto" is bfloat16 where the device runs it natively, else float32."""
     if isinstance(name, torch.dtype):
         return name
+    if name == "auto":
+        return torch.bfloat16 if native_bfloat16(device) else torch.float32
     try:
         return DTYPES[name]
     except KeyError:
-        raise ValueError(f"unknown dtype {name!r}; use one of bfloat16, float32, float16") from None
+        raise ValueError(f"unknown dtype {name!r}; use one of {', '.join(DTYPE_CHOICES)}") from None
+
+
+def dtype_name(name: str | torch.dtype, device: str = "cpu") -> str:
+    """The dtype's full name, "auto" decided: what logs show and workers are started with."""
+    return _NAMES[parse_dtype(name, device)]
 
 
 def parse_guard_names(text: str | None) -> frozenset[str]:
@@ -40,7 +59,7 @@ def parse_guard_names(text: str | None) -> frozenset[str]:
 @dataclass
 class EngineConfig:
     model: str = "smollm2-135m-instruct"
-    dtype: str = "bfloat16"
+    dtype: str = "auto"                  # bfloat16 where the device runs it natively, else float32
     device: str = "cpu"
     page_size: int = 16
     kv_tokens: int | None = None         # pool capacity in tokens ...

@@ -21,6 +21,7 @@ from pathlib import Path
 
 import httpx
 import pytest
+import torch
 import zmq
 
 from isoserve import LLM, SamplingParams
@@ -403,3 +404,23 @@ def test_serve_passes_prefill_max_num_seqs_to_prefill_workers_only():
     assert flag(_worker_command(turns, "decode", 0, "ipc:///r", "ipc:///kv", 1, ("/run/cores.share", 1)),
                 "--core-sharing") == "turns"
     assert "--core-share-file" not in _worker_command(default, "decode", 0, "ipc:///r", "ipc:///kv", 1)
+
+
+def test_serve_decides_dtype_auto_once_by_the_cpu_and_starts_workers_with_it():
+    # bfloat16 only where oneDNN computes in it (AVX-512 BW/VL/DQ or AVX-NE-CONVERT): elsewhere
+    # oneDNN refuses to prepack a bfloat16 weight and torch widens it on every call.
+    from isoserve.cli import build_parser, decide_dtype
+    from isoserve.server.launcher import _worker_command
+
+    native = torch.backends.mkldnn.is_available() and torch.ops.mkldnn._is_mkldnn_bf16_supported()
+    args = build_parser().parse_args(["serve"])
+    assert args.dtype == "auto"
+    args.disabled_guards = frozenset()
+    decide_dtype(args)
+    assert args.dtype == ("bfloat16" if native else "float32")
+    for role in ("prefill", "decode"):
+        cmd = _worker_command(args, role, 0, "ipc:///r", "ipc:///kv", 1)
+        assert cmd[cmd.index("--dtype") + 1] == args.dtype
+    chosen = build_parser().parse_args(["serve", "--dtype", "bfloat16"])
+    decide_dtype(chosen)
+    assert chosen.dtype == "bfloat16"  # asked for by name: kept, and served on any CPU (F.linear)

@@ -188,7 +188,7 @@ def test_the_default_model_lm_head_takes_its_q8_0_blocks_where_amx_runs(isoserve
     # The packaged model's LM head is its Q8_0 embedding: on AMX a step of up to 32 rows
     # multiplies by those blocks, which give the bfloat16 head's weights exactly, so its logits
     # match the bfloat16 head's to the accumulation order; elsewhere the head stays bfloat16.
-    llm = LLM(cache_dir=str(isoserve_cache))
+    llm = LLM(dtype="bfloat16", cache_dir=str(isoserve_cache))
     head = llm.engine.model.lm_head
     kinds = [type(q).__name__ for _, q in head.tiers]
     assert kinds == (["AmxQ8Weight"] if HAS_AMX else [])

@@ -52,7 +52,9 @@ def add_arguments(p: argparse.ArgumentParser) -> None:
 
     offline = p.add_argument_group("offline mode (isoserve's LLM vs transformers, one process)")
     offline.add_argument("--offline", action="store_true", help="run the offline comparison")
-    offline.add_argument("--dtype", default="bfloat16", choices=["bfloat16", "float32"])
+    offline.add_argument("--dtype", default="auto", choices=["auto", "bfloat16", "float32"],
+                         help="auto (default): bfloat16 where the CPU computes in it natively, else float32; "
+                              "the peers run in the same dtype")
     offline.add_argument("--device", default="cpu",
                          help="cpu (default) or cuda: where both isoserve and its peers run (offline mode)")
     offline.add_argument("--batch", type=_int_list, default=[1, 8, 32], metavar="B[,B...]",

@@ -13,7 +13,7 @@ from collections import Counter
 from dataclasses import dataclass, field
 
 from isoserve.admission import check_prompt_fits, effective_prompt_limit
-from isoserve.config import EngineConfig, parse_dtype
+from isoserve.config import EngineConfig, dtype_name, parse_dtype
 from isoserve.engine.runner import ModelRunner
 from isoserve.engine.sampling_params import SamplingParams
 from isoserve.engine.scheduler import Scheduler
@@ -52,7 +52,7 @@ class EngineStats:
 class Engine:
     def __init__(self, config: EngineConfig, checkpoint: Checkpoint | None = None):
         self.config = config
-        dtype = parse_dtype(config.dtype)
+        dtype = parse_dtype(config.dtype, config.device)
         t0 = time.perf_counter()
         ckpt = checkpoint or load_checkpoint(config.model, dtype, cache_dir=config.cache_dir)
         self.model_name = ckpt.name
@@ -83,7 +83,7 @@ class Engine:
         self._arrivals = itertools.count()
         self._pending_outputs: list[RequestOutput] = []
         log.info("engine ready: model=%s dtype=%s device=%s pool=%d pages x %d tokens = %d tokens "
-                 "(%.1f MiB) context=%d quantized=%s layers=%s (%.1fs)", self.model_name, config.dtype, config.device,
+                 "(%.1f MiB) context=%d quantized=%s layers=%s (%.1fs)", self.model_name, dtype_name(dtype), config.device,
                  num_pages, config.page_size, self.pool.capacity_tokens, self.pool.nbytes / 2**20,
                  self.context_length, self._quantized_summary(), self._ops_summary(),
                  time.perf_counter() - t0)

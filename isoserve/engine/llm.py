@@ -31,7 +31,7 @@ class CompletionResult:
 
 
 class LLM:
-    def __init__(self, model: str = DEFAULT_MODEL, dtype: str = "bfloat16", device: str = "cpu",
+    def __init__(self, model: str = DEFAULT_MODEL, dtype: str = "auto", device: str = "cpu",
                  kv_tokens: int | None = None, page_size: int = 16, **engine_options):
         self.engine = Engine(EngineConfig(model=model, dtype=dtype, device=device,
                                           kv_tokens=kv_tokens, page_size=page_size, **engine_options))

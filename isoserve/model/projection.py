@@ -11,13 +11,15 @@ The ways are decided at load time and were measured on this project's 2-core CPU
     prepacked, the default model's projections took two-thirds of the time at 32 rows and
     about half at 4-8 rows (one thread). This is the op torch's own compiler emits for frozen
     CPU linears.
-Elsewhere (CUDA, float16, a torch without oneDNN) it is plain F.linear.
+Elsewhere (CUDA, float16, a torch without oneDNN, bfloat16 on a CPU without oneDNN's bfloat16
+path) it is plain F.linear.
 """
 from __future__ import annotations
 
 import torch
 import torch.nn.functional as F
 
+from isoserve.config import native_bfloat16
 from isoserve.model.quantized import Tier
 
 _ONEDNN_DTYPES = (torch.bfloat16, torch.float32)
@@ -61,4 +63,6 @@ def _onednn_packed(weight: torch.Tensor) -> torch.Tensor | None:
     if (weight.device.type != "cpu" or weight.dtype not in _ONEDNN_DTYPES
             or not torch.backends.mkldnn.is_available()):
         return None
+    if weight.dtype == torch.bfloat16 and not native_bfloat16():
+        return None  # oneDNN refuses (no AVX-512 or AVX-NE-CONVERT): torch's own bfloat16 matmul
     return torch.ops.mkldnn._reorder_linear_weight(weight.contiguous(), None)
