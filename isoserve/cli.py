@@ -24,9 +24,9 @@ def _engine_args(p: argparse.ArgumentParser) -> None:
                    help="tokens per engine step; longer prompts are prefilled in chunks")
     p.add_argument("--int4-max-rows", type=int, default=None, metavar="N",
                    help="steps of at most N tokens multiply by the GGUF's own 4-bit (Q4_1) weights, and "
-                        "on AMX its 8-bit (Q8_0) LM head, instead of bfloat16: faster decode batches "
-                        "(default: 32 where the CPU has AMX, which isoserve's kernels use, else 4; "
-                        "0 = off; bfloat16 on CPU only)")
+                        "on AMX or in float32 its 8-bit (Q8_0) LM head, instead of the dense weights: "
+                        "faster decode batches (default: bfloat16 32 where the CPU has AMX, which "
+                        "isoserve's kernels use, else 4; float32 16, on AVX2; 0 = off; CPU only)")
     p.add_argument("--no-fused-kernels", dest="fused_kernels", action="store_false",
                    help="run the work between matmuls as torch ops instead of the fused CPU kernels "
                         "(isoserve/kernels; for comparison: both paths compute the same)")

@@ -19,7 +19,7 @@ from isoserve.model.quantized import q4_tiers
 from isoserve.model.llama import LlamaModel
 from isoserve.model.projection import Projection
 from isoserve.model.loader import load_checkpoint
-from tiny_models import HAS_AMX
+from tiny_models import HAS_AMX, HAS_AVX2
 
 PROJECTIONS = ("self_attn.q_proj", "self_attn.k_proj", "self_attn.v_proj", "self_attn.o_proj",
                "mlp.gate_proj", "mlp.up_proj", "mlp.down_proj")
@@ -91,7 +91,11 @@ def test_four_bit_tiers_follow_the_cpu(tiny_checkpoint):
         assert kinds() == [(4, "Int4Weight")]
         assert kinds(max_rows=8) == [(8, "Int4Weight")]
     assert kinds(max_rows=0) == []
-    assert q4_tiers(parts, torch.float32, kernels) == []
+    # float32: the AVX2 block kernels (tests/test_vector_matmul.py) up to 16, and none without
+    # the fused kernels.
+    f32 = [(r, type(q).__name__) for r, q in q4_tiers(parts, torch.float32, kernels)]
+    assert f32 == ([(16, "VectorQ4Weight")] if HAS_AVX2 else [])
+    assert q4_tiers(parts, torch.float32, None) == []
     # Without the fused kernels there is no AMX kernel: torch's int4 kernel alone.
     assert [(r, type(q).__name__) for r, q in q4_tiers(parts, torch.bfloat16, None)] == [(4, "Int4Weight")]
 
@@ -118,7 +122,8 @@ def test_model_takes_the_int4_path_only_in_bfloat16_on_cpu_with_companions(tiny_
     # (the tiny file's LM head is F32: no Q8_0 blocks to multiply by)
     assert model(tiny_checkpoint, torch.bfloat16, rows=0).quantized_projections == 0
     f32 = load_checkpoint(str(tiny_q4_1), torch.float32, tmp_path)
-    assert model(f32, torch.float32).quantized_projections == 0
+    # (float32 has its own block kernels on AVX2: tests/test_vector_matmul.py)
+    assert model(f32, torch.float32).quantized_projections == (2 * 4 if HAS_AVX2 else 0)
     hf = load_checkpoint(str(tiny_llama_dir), torch.bfloat16)  # safetensors: nothing to take blocks from
     assert model(hf, torch.bfloat16).quantized_projections == 0
 
@@ -144,7 +149,7 @@ def test_default_model_with_int4_is_as_faithful_as_bfloat16(isoserve_cache):
                "List three prime numbers:"]
     params = SamplingParams(max_tokens=24, temperature=0.0, ignore_eos=True, logprobs=3)
     runs = {}
-    for name, options in {"float32": {"dtype": "float32"},
+    for name, options in {"float32": {"dtype": "float32", "int4_max_rows": 0},
                           "int4": {"dtype": "bfloat16"},
                           "bfloat16": {"dtype": "bfloat16", "int4_max_rows": 0}}.items():
         llm = LLM(cache_dir=str(isoserve_cache), **options)

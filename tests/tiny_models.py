@@ -37,6 +37,8 @@ def _cpu_has_amx() -> bool:
 
 # Whether isoserve's AMX kernels (kernels/amx_matmul.cpp) must run here, by the CPU's own flags.
 HAS_AMX = _cpu_has_amx()
+# Whether the float32 block kernels (kernels/vector_matmul.cpp) must run here (-march=native).
+HAS_AVX2 = {"avx2", "fma"} <= set(next(line for line in open("/proc/cpuinfo") if line.startswith("flags")).split())
 
 
 def make_tiny_llama(path: Path, *, num_heads: int = 4, num_kv_heads: int = 2, hidden_size: int = 64,

@@ -728,6 +728,11 @@ std::vector<std::pair<int64_t, int64_t>> check_reads(
 std::string amx_status();
 torch::Tensor q4_1_linear(const torch::Tensor& x, const torch::Tensor& blocks, int64_t out_features);
 torch::Tensor q8_0_linear(const torch::Tensor& x, const torch::Tensor& blocks, int64_t out_features);
+// vector_matmul.cpp
+std::string vector_status();
+torch::Tensor q4_1_linear_f32(const torch::Tensor& x, const torch::Tensor& codes, const torch::Tensor& d,
+                              const torch::Tensor& m);
+torch::Tensor q8_0_linear_f32(const torch::Tensor& x, const torch::Tensor& codes, const torch::Tensor& d);
 // amx_attention.cpp
 void prefill_attention(const torch::Tensor& q, const torch::Tensor& k_cache, const torch::Tensor& v_cache,
                        const torch::Tensor& chunks, const torch::Tensor& pages, torch::Tensor& out,
@@ -749,6 +754,11 @@ PYBIND11_MODULE(TORCH_EXTENSION_NAME, m) {
         py::arg("x"), py::arg("blocks"), py::arg("out_features"));
   m.def("q8_0_linear", &q8_0_linear, "x W^T for Q8_0 weight blocks (model/amx.py), on AMX",
         py::arg("x"), py::arg("blocks"), py::arg("out_features"));
+  m.def("vector_status", &vector_status, "'' when q4_1_linear_f32 can run on this machine, else why not");
+  m.def("q4_1_linear_f32", &q4_1_linear_f32, "x W^T in float32 for Q4_1 blocks (model/vector_blocks.py), AVX2",
+        py::arg("x"), py::arg("codes"), py::arg("d"), py::arg("m"));
+  m.def("q8_0_linear_f32", &q8_0_linear_f32, "x W^T in float32 for Q8_0 blocks (model/vector_blocks.py), AVX2",
+        py::arg("x"), py::arg("codes"), py::arg("d"));
   m.def("prefill_attention", &prefill_attention,
         "causal attention of a step's prefill chunks over their pages into out's rows, on AMX",
         py::arg("q"), py::arg("k_cache"), py::arg("v_cache"), py::arg("chunks"), py::arg("pages"),

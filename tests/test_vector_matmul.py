@@ -1,0 +1,115 @@
+"""The float32 block kernels (kernels/vector_matmul.cpp, model/vector_blocks.py): a GGUF's Q4_1
+and Q8_0 blocks widened to float32 on AVX2, for steps of a few rows where isoserve runs in
+float32 (a CPU without a native bfloat16 path). They must multiply by the float32 path's very
+weights: the results differ from float32's matmul only by the order of the sums."""
+from __future__ import annotations
+
+import pytest
+import torch
+import torch.nn.functional as F
+
+from isoserve.engine.llm import LLM
+from isoserve.engine.sampling_params import SamplingParams
+from isoserve.kernels import cpu_ops
+from isoserve.model import int4, q8_0
+from isoserve.model.llama import LlamaModel
+from isoserve.model.loader import load_checkpoint
+from isoserve.model.vector_blocks import VectorQ4Weight, VectorQ8Weight, q4_1_codes
+from tiny_models import HAS_AVX2
+
+needs_avx2 = pytest.mark.skipif(not HAS_AVX2, reason="the float32 block kernels are built for AVX2 and FMA")
+
+
+def _q4(rows: int, cols: int, seed: int):
+    g = torch.Generator().manual_seed(seed)
+    codes = torch.randint(0, 16, (rows, cols), generator=g)
+    d = (torch.rand(rows, cols // 32, generator=g) * 0.02).half()
+    m = (torch.randn(rows, cols // 32, generator=g) * 0.05).half()
+    packed = int4._pack(codes.to(torch.uint8))
+    dense = int4.dequantize({"w" + int4.CODES: packed, "w" + int4.SCALE: d, "w" + int4.MIN: m}, "w")
+    return VectorQ4Weight.from_companions([(packed, d, m)], cpu_ops()), dense
+
+
+def _q8(rows: int, cols: int, seed: int):
+    g = torch.Generator().manual_seed(seed)
+    codes = torch.randint(-128, 128, (rows, cols), generator=g, dtype=torch.int8)
+    d = (torch.rand(rows, cols // 32, generator=g) * 0.02).half()
+    dense = q8_0.dequantize({"w" + q8_0.CODES: codes, "w" + q8_0.SCALE: d}, "w")
+    return VectorQ8Weight.from_companions(codes, d, cpu_ops()), dense
+
+
+def test_the_kernels_run_exactly_where_the_cpu_has_avx2():
+    assert (cpu_ops().vector_status() == "") == HAS_AVX2
+
+
+def test_q4_1_codes_put_input_j_low_and_input_j_plus_16_high():
+    codes = torch.arange(64).remainder(16).reshape(1, 64)
+    packed = q4_1_codes(codes)
+    assert packed.shape == (1, 32)
+    for block in range(2):
+        for j in range(16):
+            byte = int(packed[0, 16 * block + j])
+            assert (byte & 15, byte >> 4) == (int(codes[0, 32 * block + j]), int(codes[0, 32 * block + j + 16]))
+
+
+@needs_avx2
+@pytest.mark.parametrize("make", [_q4, _q8], ids=["q4_1", "q8_0"])
+@pytest.mark.parametrize("rows", [1, 2, 3, 4, 5, 8, 9, 17])
+def test_the_kernels_multiply_by_the_float32_weights(make, rows):
+    # Every row count takes its own unrolled path (1-8, then chunks of 8). Against the exact
+    # product (float64) the error is float32 summation error: a few ulps of sum |x| |w|.
+    weight, dense = make(96, 160, seed=rows)
+    x = torch.randn(rows, 160, generator=torch.Generator().manual_seed(100 + rows))
+    y = weight.matmul(x)
+    exact = F.linear(x.double(), dense.double())
+    bound = (x.abs().double() @ dense.abs().double().t())
+    assert ((y.double() - exact).abs() <= 1e-6 * bound).all()
+    assert torch.allclose(y, F.linear(x, dense), rtol=0, atol=1e-5 * bound.max().item())
+    # A strided x gives what its contiguous copy gives.
+    wide = torch.randn(rows, 320, generator=torch.Generator().manual_seed(rows))
+    assert torch.equal(weight.matmul(wide[:, ::2]), weight.matmul(wide[:, ::2].contiguous()))
+
+
+@needs_avx2
+def test_the_kernels_refuse_what_they_cannot_read():
+    weight, _ = _q4(32, 64, seed=1)
+    ops = cpu_ops()
+    with pytest.raises(RuntimeError, match="float32"):
+        ops.q4_1_linear_f32(torch.randn(2, 64).to(torch.bfloat16), weight.codes, weight.d, weight.m)
+    with pytest.raises(RuntimeError, match="blocks of 32"):
+        ops.q4_1_linear_f32(torch.randn(2, 96), weight.codes, weight.d, weight.m)
+    with pytest.raises(RuntimeError, match="code bytes"):
+        ops.q4_1_linear_f32(torch.randn(2, 64), weight.codes[:16], weight.d, weight.m)
+    with pytest.raises(RuntimeError, match="shaped as d"):
+        ops.q4_1_linear_f32(torch.randn(2, 64), weight.codes, weight.d, weight.m[:16])
+
+
+def test_float32_takes_the_block_kernels_for_small_steps_only(tiny_q4_1, tmp_path):
+    ckpt = load_checkpoint(str(tiny_q4_1), torch.float32, tmp_path)
+
+    def model(rows=None):
+        return LlamaModel(ckpt.config, ckpt.weights, torch.float32, int4_max_rows=rows)
+
+    default = model()
+    assert default.quantized_projections == (2 * 4 if HAS_AVX2 else 0)  # qkv, o, gate_up, down
+    assert model(rows=0).quantized_projections == 0
+    if HAS_AVX2:
+        assert dict(default.quantized_paths) == {"float32 4-bit for steps of <= 16 tokens": 8}
+        assert dict(model(rows=4).quantized_paths) == {"float32 4-bit for steps of <= 4 tokens": 8}
+
+
+def test_float32_with_the_block_kernels_decodes_as_the_dense_weights_do(tiny_q4_1, tmp_path):
+    # The same weights, so the same greedy tokens and logprobs to float32 summation error:
+    # one prompt alone and six together (steps of 1 and 6 rows through the kernels), with the
+    # block kernels off as the reference.
+    prompts = ["The capital of France is", "def f(x):", "Hello", "1, 2, 3,", "Rain", "Once upon a time"]
+    params = SamplingParams(max_tokens=12, temperature=0.0, ignore_eos=True, logprobs=2)
+    runs = {}
+    for rows in (None, 0):
+        llm = LLM(model=str(tiny_q4_1), dtype="float32", int4_max_rows=rows, cache_dir=str(tmp_path))
+        assert (llm.engine.model.quantized_projections > 0) == (rows is None and HAS_AVX2)
+        runs[rows] = [llm.generate([prompts[0]], params)[0]] + llm.generate(prompts, params)
+    for blocks, dense in zip(runs[None], runs[0]):
+        assert blocks.token_ids == dense.token_ids
+        for a, b in zip(blocks.logprobs, dense.logprobs):
+            assert abs(a.logprob - b.logprob) < 1e-4
