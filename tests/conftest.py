@@ -31,10 +31,17 @@ def tiny_q4_1(tmp_path_factory, tiny_llama_dir):
 
 
 @pytest.fixture(scope="session")
-def tiny_checkpoint(tiny_q4_1, tmp_path_factory):
+def tiny_cache(tmp_path_factory):
+    """Converted weights of the tiny GGUFs, shared by the tests of one run: each conversion
+    builds the tokenizer from the GGUF again (~13 s on an AVX2-only 2-core VM)."""
+    return tmp_path_factory.mktemp("tiny-cache")
+
+
+@pytest.fixture(scope="session")
+def tiny_checkpoint(tiny_q4_1, tiny_cache):
     """tiny_q4_1 loaded in bfloat16: its weights with their Q4_1 companions."""
     from isoserve.model.loader import load_checkpoint
-    return load_checkpoint(str(tiny_q4_1), torch.bfloat16, tmp_path_factory.mktemp("cache"))
+    return load_checkpoint(str(tiny_q4_1), torch.bfloat16, tiny_cache)
 
 
 @pytest.fixture(scope="session")

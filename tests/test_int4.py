@@ -25,10 +25,10 @@ PROJECTIONS = ("self_attn.q_proj", "self_attn.k_proj", "self_attn.v_proj", "self
                "mlp.gate_proj", "mlp.up_proj", "mlp.down_proj")
 
 
-def test_every_q4_1_projection_gets_companions_that_give_its_weights(tiny_q4_1, tmp_path):
+def test_every_q4_1_projection_gets_companions_that_give_its_weights(tiny_q4_1, tiny_cache):
     # In float32 the dequantized weight is exact, so the companions must reproduce it bit for bit,
     # Q and K rows (4 query heads, 2 KV heads, permuted by the converter) included.
-    weights = load_checkpoint(str(tiny_q4_1), torch.float32, tmp_path).weights
+    weights = load_checkpoint(str(tiny_q4_1), torch.float32, tiny_cache).weights
     for layer in range(2):
         for proj in PROJECTIONS:
             name = f"model.layers.{layer}.{proj}.weight"
@@ -114,14 +114,14 @@ def test_packed_projection_matches_f_linear(dtype, rows):
 
 
 def test_model_takes_the_int4_path_only_in_bfloat16_on_cpu_with_companions(tiny_checkpoint, tiny_q4_1,
-                                                                           tiny_llama_dir, tmp_path):
+                                                                           tiny_llama_dir, tiny_cache):
     def model(ckpt, dtype, rows=None):
         return LlamaModel(ckpt.config, ckpt.weights, dtype, int4_max_rows=rows)
 
     assert model(tiny_checkpoint, torch.bfloat16).quantized_projections == 2 * 4  # qkv, o, gate_up, down
     # (the tiny file's LM head is F32: no Q8_0 blocks to multiply by)
     assert model(tiny_checkpoint, torch.bfloat16, rows=0).quantized_projections == 0
-    f32 = load_checkpoint(str(tiny_q4_1), torch.float32, tmp_path)
+    f32 = load_checkpoint(str(tiny_q4_1), torch.float32, tiny_cache)
     # (float32 has its own block kernels on AVX2: tests/test_vector_matmul.py)
     assert model(f32, torch.float32).quantized_projections == (2 * 4 if HAS_AVX2 else 0)
     hf = load_checkpoint(str(tiny_llama_dir), torch.bfloat16)  # safetensors: nothing to take blocks from

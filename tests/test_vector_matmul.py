@@ -84,8 +84,8 @@ def test_the_kernels_refuse_what_they_cannot_read():
         ops.q4_1_linear_f32(torch.randn(2, 64), weight.codes, weight.d, weight.m[:16])
 
 
-def test_float32_takes_the_block_kernels_for_small_steps_only(tiny_q4_1, tmp_path):
-    ckpt = load_checkpoint(str(tiny_q4_1), torch.float32, tmp_path)
+def test_float32_takes_the_block_kernels_for_small_steps_only(tiny_q4_1, tiny_cache):
+    ckpt = load_checkpoint(str(tiny_q4_1), torch.float32, tiny_cache)
 
     def model(rows=None):
         return LlamaModel(ckpt.config, ckpt.weights, torch.float32, int4_max_rows=rows)
@@ -98,7 +98,7 @@ def test_float32_takes_the_block_kernels_for_small_steps_only(tiny_q4_1, tmp_pat
         assert dict(model(rows=4).quantized_paths) == {"float32 4-bit for steps of <= 4 tokens": 8}
 
 
-def test_float32_with_the_block_kernels_decodes_as_the_dense_weights_do(tiny_q4_1, tmp_path):
+def test_float32_with_the_block_kernels_decodes_as_the_dense_weights_do(tiny_q4_1, tiny_cache):
     # The same weights, so the same greedy tokens and logprobs to float32 summation error:
     # one prompt alone and six together (steps of 1 and 6 rows through the kernels), with the
     # block kernels off as the reference.
@@ -106,7 +106,7 @@ def test_float32_with_the_block_kernels_decodes_as_the_dense_weights_do(tiny_q4_
     params = SamplingParams(max_tokens=12, temperature=0.0, ignore_eos=True, logprobs=2)
     runs = {}
     for rows in (None, 0):
-        llm = LLM(model=str(tiny_q4_1), dtype="float32", int4_max_rows=rows, cache_dir=str(tmp_path))
+        llm = LLM(model=str(tiny_q4_1), dtype="float32", int4_max_rows=rows, cache_dir=str(tiny_cache))
         assert (llm.engine.model.quantized_projections > 0) == (rows is None and HAS_AVX2)
         runs[rows] = [llm.generate([prompts[0]], params)[0]] + llm.generate(prompts, params)
     for blocks, dense in zip(runs[None], runs[0]):
