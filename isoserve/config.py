@@ -19,7 +19,6 @@ DTYPES = {"bfloat16": torch.bfloat16, "bf16": torch.bfloat16,
           "float32": torch.float32, "fp32": torch.float32,
           "float16": torch.float16, "fp16": torch.float16}
 DTYPE_CHOICES = ("auto", "bfloat16", "float32", "float16")  # the --dtype flags' choices
-_NAMES = {torch.bfloat16: "bfloat16", torch.float32: "float32", torch.float16: "float16"}
 
 
 def native_bfloat16(device: str = "cpu") -> bool:
@@ -45,7 +44,7 @@ def parse_dtype(name: str | torch.dtype, device: str = "cpu") -> torch.dtype:
 
 def dtype_name(name: str | torch.dtype, device: str = "cpu") -> str:
     """The dtype's full name, "auto" decided: what logs show and workers are started with."""
-    return _NAMES[parse_dtype(name, device)]
+    return str(parse_dtype(name, device)).removeprefix("torch.")
 
 
 def parse_guard_names(text: str | None) -> frozenset[str]:

@@ -19,7 +19,7 @@ import torch
 from safetensors.torch import load_file, save_file
 from transformers import PreTrainedTokenizerFast
 
-from isoserve.config import default_cache_dir
+from isoserve.config import default_cache_dir, dtype_name
 from isoserve.model import int4, q8_0
 from isoserve.model.config import ModelConfig
 from isoserve.model.gguf_loader import read_gguf
@@ -63,7 +63,7 @@ def load_checkpoint(model: str, dtype: torch.dtype, cache_dir: Path | None = Non
         cache_state = "hit" if from_cache else "miss"
     _check_weights(config, weights)
     log.info("loaded model=%s source=%s dtype=%s cache=%s seconds=%.2f", source.name, source.path,
-             _dtype_name(dtype), cache_state, time.perf_counter() - start)
+             dtype_name(dtype), cache_state, time.perf_counter() - start)
     return Checkpoint(source.name, source, config, weights, tokenizer, from_cache)
 
 
@@ -71,7 +71,7 @@ def _cache_key(gguf: Path, dtype: torch.dtype) -> str:
     # File identity from stat, not a content hash: hashing 100 MB+ would cost more than we save.
     stat = gguf.stat()
     ident = f"{CACHE_FORMAT}|{gguf.resolve()}|{stat.st_size}|{stat.st_mtime_ns}|{dtype}"
-    return f"{gguf.stem}-{_dtype_name(dtype)}-{hashlib.sha256(ident.encode()).hexdigest()[:16]}"
+    return f"{gguf.stem}-{dtype_name(dtype)}-{hashlib.sha256(ident.encode()).hexdigest()[:16]}"
 
 
 def _read_cache_entry(entry: Path, source: ModelSource):
@@ -158,5 +158,3 @@ def _expected_shapes(c: ModelConfig) -> dict[str, tuple[int, ...]]:
     return shapes
 
 
-def _dtype_name(dtype: torch.dtype) -> str:
-    return str(dtype).removeprefix("torch.")
