@@ -158,6 +158,19 @@ def test_decode_attention_reads_only_its_keys(dtype, lens, shape, bf16_dot):
     torch.testing.assert_close(actual.double(), gold, rtol=tolerance, atol=tolerance)
 
 
+@pytest.mark.parametrize("shape", [(5, 5, 40), (10, 2, 128), (8, 4, 8), (12, 3, 64)])
+def test_float32_decode_attention_over_every_tile_shape_and_long_sequences(shape):
+    """float32 on AVX2 (kernels/vector_attention.cpp) tiles query heads in threes and dims in
+    32s, and scores keys in pairs and blocks of 8: one query head per KV head, five (3 + 2), two,
+    three; 40, 128, 8 and 64 dims; lengths that end inside a pair, a block and a page."""
+    lens = [1, 7, 8, 9, 33, 200, 17]
+    q, k, v, attn = _attention_case(torch.float32, lens, page_size=16, pages=40, seed=7, shape=shape)
+    gold = _gold_attention(q, k, v, attn, 0.3)
+    actual = _kernel_attention(q, k, v, attn, 0.3, False)
+    assert not actual.isnan().any()
+    torch.testing.assert_close(actual.double(), gold, rtol=1e-5, atol=1e-5)
+
+
 @pytest.mark.parametrize("bf16_dot", [True, False])
 @pytest.mark.parametrize("shape", ATTENTION_SHAPES)
 def test_decode_attention_in_bf16_is_at_least_as_exact_as_the_torch_path(shape, bf16_dot):

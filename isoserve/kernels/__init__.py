@@ -1,4 +1,5 @@
-"""Fused CPU kernels (cpu_ops.cpp, amx_matmul.cpp, amx_attention.cpp, vector_matmul.cpp), built with torch's C++ extension builder.
+"""Fused CPU kernels (cpu_ops.cpp, amx_matmul.cpp, amx_attention.cpp, vector_matmul.cpp,
+vector_attention.cpp), built with torch's C++ extension builder.
 
 `make install` builds them once (`python -m isoserve.kernels`: ninja and the system C++
 compiler) into a folder named after a hash of the source, the flags and the torch version.
@@ -25,8 +26,8 @@ from isoserve.config import default_cache_dir
 log = logging.getLogger("isoserve.kernels")
 
 SOURCES = [Path(__file__).with_name(name) for name in ("cpu_ops.cpp", "amx_matmul.cpp", "amx_attention.cpp",
-                                                         "vector_matmul.cpp")]
-HEADERS = [Path(__file__).with_name(name) for name in ("amx.h", "bf16x16.h", "page_reads.h")]
+                                                         "vector_matmul.cpp", "vector_attention.cpp")]
+HEADERS = [Path(__file__).with_name(name) for name in ("amx.h", "bf16x16.h", "f32x8.h", "page_reads.h")]
 # Native code for the CPU it is built on, minus AMX: a process must ask Linux for the tile state
 # before its first AMX instruction, or that instruction faults (as llama.cpp's does on these VMs:
 # bench/build_llama_server.sh). amx_matmul.cpp enables AMX for its own functions only, and runs
