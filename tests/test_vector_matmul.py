@@ -14,7 +14,7 @@ from isoserve.kernels import cpu_ops
 from isoserve.model import int4, q8_0
 from isoserve.model.llama import LlamaModel
 from isoserve.model.loader import load_checkpoint
-from isoserve.model.vector_blocks import VectorQ4Weight, VectorQ8Weight, q4_1_codes
+from isoserve.model.vector_blocks import PANEL, VectorQ4Weight, VectorQ8Weight, q4_1_panel_codes
 from tiny_models import HAS_AVX2
 
 needs_avx2 = pytest.mark.skipif(not HAS_AVX2, reason="the float32 block kernels are built for AVX2 and FMA")
@@ -42,22 +42,30 @@ def test_the_kernels_run_exactly_where_the_cpu_has_avx2():
     assert (cpu_ops().vector_status() == "") == HAS_AVX2
 
 
-def test_q4_1_codes_put_input_j_low_and_input_j_plus_16_high():
-    codes = torch.arange(64).remainder(16).reshape(1, 64)
-    packed = q4_1_codes(codes)
-    assert packed.shape == (1, 32)
-    for block in range(2):
-        for j in range(16):
-            byte = int(packed[0, 16 * block + j])
-            assert (byte & 15, byte >> 4) == (int(codes[0, 32 * block + j]), int(codes[0, 32 * block + j + 16]))
+def test_q4_1_panel_codes_hold_eight_outputs_side_by_side_two_inputs_a_byte():
+    codes = torch.randint(0, 16, (16, 64), generator=torch.Generator().manual_seed(0))
+    packed = q4_1_panel_codes(codes)
+    assert packed.shape == (16 // PANEL, 32, PANEL)
+    for n in range(16):
+        for k in range(0, 64, 2):
+            byte = int(packed[n // PANEL, k // 2, n % PANEL])
+            assert (byte & 15, byte >> 4) == (int(codes[n, k]), int(codes[n, k + 1]))
+
+
+def test_weights_whose_outputs_do_not_fill_panels_keep_the_dense_path():
+    packed = int4._pack(torch.zeros(12, 64, dtype=torch.uint8))
+    d = torch.ones(12, 2, dtype=torch.float16)
+    assert VectorQ4Weight.from_companions([(packed, d, d)], cpu_ops()) is None  # 12 outputs: not 8 per panel
+    assert VectorQ8Weight.from_companions(torch.zeros(12, 64, dtype=torch.int8), d, cpu_ops()) is None
 
 
 @needs_avx2
 @pytest.mark.parametrize("make", [_q4, _q8], ids=["q4_1", "q8_0"])
-@pytest.mark.parametrize("rows", [1, 2, 3, 4, 5, 8, 9, 17])
+@pytest.mark.parametrize("rows", [1, 2, 3, 4, 5, 7, 8, 9, 17, 32])
 def test_the_kernels_multiply_by_the_float32_weights(make, rows):
-    # Every row count takes its own unrolled path (1-8, then chunks of 8). Against the exact
-    # product (float64) the error is float32 summation error: a few ulps of sum |x| |w|.
+    # Rows go in tiles of equal size, each size its own unrolled kernel (1-8 rows; 9 is 5 + 4,
+    # 17 is 6 + 6 + 5). Against the exact product (float64) the error is float32 summation
+    # error: a few ulps of sum |x| |w|.
     weight, dense = make(96, 160, seed=rows)
     x = torch.randn(rows, 160, generator=torch.Generator().manual_seed(100 + rows))
     y = weight.matmul(x)
@@ -79,9 +87,9 @@ def test_the_kernels_refuse_what_they_cannot_read():
     with pytest.raises(RuntimeError, match="blocks of 32"):
         ops.q4_1_linear_f32(torch.randn(2, 96), weight.codes, weight.d, weight.m)
     with pytest.raises(RuntimeError, match="code bytes"):
-        ops.q4_1_linear_f32(torch.randn(2, 64), weight.codes[:16], weight.d, weight.m)
+        ops.q4_1_linear_f32(torch.randn(2, 64), weight.codes[:2], weight.d, weight.m)
     with pytest.raises(RuntimeError, match="shaped as d"):
-        ops.q4_1_linear_f32(torch.randn(2, 64), weight.codes, weight.d, weight.m[:16])
+        ops.q4_1_linear_f32(torch.randn(2, 64), weight.codes, weight.d, weight.m[:2])
 
 
 def test_float32_takes_the_block_kernels_for_small_steps_only(tiny_q4_1, tiny_cache):

@@ -7,9 +7,10 @@ weight, these read the file's 5 (Q4_1) or 8.5 (Q8_0). The kernels widen each blo
 float32 weights the loader dequantizes (fma(d, q, m), or d * q), so only the order of the sums
 differs from the float32 matmul. model/quantized.py decides up to how many rows they serve.
 
-Layout (the kernel file documents it too): codes row by row, block after block. Q4_1: 16 bytes
-a block, byte j holding input j in its low nibble and input j + 16 in its high one. Q8_0: the
-32 int8 codes of a block. d (and m) as float32 [N, K / 32].
+Layout (the kernel file documents it too): the outputs in panels of 8; within a panel, each
+input's 8 codes side by side, so the kernel widens one load to 8 outputs' weights for one input.
+Q4_1: [N / 8, K / 2, 8] bytes, input 2i in the low nibble and 2i + 1 in the high one. Q8_0:
+[N / 8, K, 8] int8 codes. d (and m) as float32 [N / 8, K / 32, 8].
 """
 from __future__ import annotations
 
@@ -25,17 +26,30 @@ def vector_unavailable(kernels) -> str:
     return "the fused CPU kernels are not in use" if kernels is None else kernels.vector_status()
 
 
-def q4_1_codes(codes: torch.Tensor) -> torch.Tensor:
-    """Codes [N, K] (0..15) -> [N, K / 2] bytes, 16 a block: input j low, input j + 16 high."""
-    rows, cols = codes.shape
-    c = codes.to(torch.uint8).reshape(rows, cols // GROUP, 2, GROUP // 2)
-    return (c[:, :, 0] | (c[:, :, 1] << 4)).reshape(rows, cols // 2).contiguous()
+PANEL = 8  # outputs a panel holds (kernels/vector_matmul.cpp's kPanel)
+
+
+def _panels(t: torch.Tensor) -> torch.Tensor:
+    """[N, C] -> [N / 8, C, 8]: column c of each panel's 8 rows side by side."""
+    rows, cols = t.shape
+    return t.reshape(rows // PANEL, PANEL, cols).transpose(1, 2).contiguous()
+
+
+def q4_1_panel_codes(codes: torch.Tensor) -> torch.Tensor:
+    """Codes [N, K] (0..15) -> [N / 8, K / 2, 8] bytes: inputs 2i (low nibble) and 2i + 1 (high)
+    of each of a panel's 8 outputs."""
+    c = codes.to(torch.uint8)
+    return _panels(c[:, 0::2] | (c[:, 1::2] << 4))
+
+
+def _shape_fits(rows: int, cols: int) -> bool:
+    return rows % PANEL == 0 and cols % GROUP == 0
 
 
 @dataclass
 class VectorQ4Weight:
-    codes: torch.Tensor   # q4_1_codes(...)
-    d: torch.Tensor       # float32 [N, K / 32]
+    codes: torch.Tensor   # q4_1_panel_codes(...)
+    d: torch.Tensor       # float32 [N / 8, K / 32, 8]
     m: torch.Tensor
     kernels: object
     name = "float32 4-bit"
@@ -46,9 +60,9 @@ class VectorQ4Weight:
         """One weight from the Q4_1 (codes, d, m) of one or more projections stacked by output
         rows (merged QKV, gate-up); None where the kernel cannot take the shape."""
         codes, d, m = merge(parts)
-        if codes.shape[1] % GROUP:
+        if not _shape_fits(*codes.shape):
             return None
-        return cls(q4_1_codes(codes), d.float().contiguous(), m.float().contiguous(), kernels)
+        return cls(q4_1_panel_codes(codes), _panels(d.float()), _panels(m.float()), kernels)
 
     @property
     def nbytes(self) -> int:
@@ -61,16 +75,16 @@ class VectorQ4Weight:
 
 @dataclass
 class VectorQ8Weight:
-    codes: torch.Tensor   # int8 [N, K] seen as bytes
-    d: torch.Tensor       # float32 [N, K / 32]
+    codes: torch.Tensor   # int8 [N / 8, K, 8] seen as bytes
+    d: torch.Tensor       # float32 [N / 8, K / 32, 8]
     kernels: object
     name = "float32 8-bit"
 
     @classmethod
     def from_companions(cls, codes: torch.Tensor, d: torch.Tensor, kernels) -> VectorQ8Weight | None:
-        if codes.shape[1] % GROUP:
+        if not _shape_fits(*codes.shape):
             return None
-        return cls(codes.to(torch.int8).contiguous().view(torch.uint8), d.float().contiguous(), kernels)
+        return cls(_panels(codes.to(torch.int8)).view(torch.uint8), _panels(d.float()), kernels)
 
     @property
     def nbytes(self) -> int:
