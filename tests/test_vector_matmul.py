@@ -61,12 +61,15 @@ def test_weights_whose_outputs_do_not_fill_panels_keep_the_dense_path():
 
 @needs_avx2
 @pytest.mark.parametrize("make", [_q4, _q8], ids=["q4_1", "q8_0"])
+@pytest.mark.parametrize("outputs", [96, 40])
 @pytest.mark.parametrize("rows", [1, 2, 3, 4, 5, 7, 8, 9, 17, 32])
-def test_the_kernels_multiply_by_the_float32_weights(make, rows):
-    # Rows go in tiles of equal size, each size its own unrolled kernel (1-8 rows; 9 is 5 + 4,
-    # 17 is 6 + 6 + 5). Against the exact product (float64) the error is float32 summation
-    # error: a few ulps of sum |x| |w|.
-    weight, dense = make(96, 160, seed=rows)
+def test_the_kernels_multiply_by_the_float32_weights(make, rows, outputs):
+    # Up to 8 rows: one register tile of that size. From 9: pairs of panels widened into a
+    # buffer, rows in tiles of up to 6 (9 is 4 + 5, 17 is 5 + 6 + 6); 40 outputs are 5 panels,
+    # an odd count, which keeps the register tiles (9 is 4 + 5 again, 17 is 5 + 6 + 6 of those).
+    # Against the exact product (float64) the error is float32 summation error: a few ulps of
+    # sum |x| |w|.
+    weight, dense = make(outputs, 160, seed=rows)
     x = torch.randn(rows, 160, generator=torch.Generator().manual_seed(100 + rows))
     y = weight.matmul(x)
     exact = F.linear(x.double(), dense.double())
@@ -102,7 +105,7 @@ def test_float32_takes_the_block_kernels_for_small_steps_only(tiny_q4_1, tiny_ca
     assert default.quantized_projections == (2 * 4 if HAS_AVX2 else 0)  # qkv, o, gate_up, down
     assert model(rows=0).quantized_projections == 0
     if HAS_AVX2:
-        assert dict(default.quantized_paths) == {"float32 4-bit for steps of <= 16 tokens": 8}
+        assert dict(default.quantized_paths) == {"float32 4-bit for steps of <= 512 tokens": 8}
         assert dict(model(rows=4).quantized_paths) == {"float32 4-bit for steps of <= 4 tokens": 8}
 
 

@@ -1,6 +1,6 @@
 // y = x W^T in float32 for a GGUF's Q4_1 or Q8_0 weights on AVX2: each weight is widened to
-// float32 in registers and multiplied there, so a step reads 5 (Q4_1) or 8.5 (Q8_0) bits per
-// weight instead of float32's 32 and never writes a dequantized copy.
+// float32 on the fly, so a step reads 5 (Q4_1) or 8.5 (Q8_0) bits per weight instead of
+// float32's 32.
 //
 // Why: on a CPU without a native bfloat16 path (AVX2 only, such as AMD Zen 3) isoserve runs in
 // float32 (config.native_bfloat16). A decode step of a few sequences is bound by reading the
@@ -21,14 +21,22 @@
 // in the high one): [N / 8, K / 2, 8] bytes. Q8_0: [N / 8, K, 8] int8 codes. d (and m) as
 // float32 [N / 8, K / 32, 8].
 //
-// The kernel: a panel at a time (threads split the panels), its codes read from memory once,
-// and the step's rows in tiles of up to kMaxTile: each input's weight vector, widened once per
-// tile, is multiplied by every row of the tile (a broadcast and a multiply-add per row), so the
-// widening (~3.5 instructions per 8 weights) is shared by up to 8 rows. On a Zen 3 this ran
-// 30 layers' projections and the LM head in 7.7 ms at 1 row (9.7 for a kernel that kept each
-// output's blocks together and summed each output across lanes), and within noise of float32's
-// own matmul from 8 to 32 rows (~100 ms at 32): tiles of 6 or 11 rows, or of 16 outputs, did
-// no better.
+// Two ways, by the step's rows (threads split the panels in both; a tile's rows are interleaved
+// once per call, [K][R], so each broadcast of an input is a constant offset from one register):
+//   up to 8 rows   a panel at a time, each input's weight vector widened in registers and
+//                  multiplied by every row of the tile (panel_tile). No buffer: at one row the
+//                  step is bound by reading the codes.
+//   from 9 rows    a pair of panels widened once into a float32 buffer [K][16], then every tile
+//                  of up to 6 rows runs over it: per input two loads, a broadcast and two
+//                  multiply-adds per row (packed_tile), the shape of float32 GEMM's own kernels.
+//                  One broadcast per multiply-add (the first way) bounds the loop by the
+//                  broadcasts at about half the multiply-add rate.
+// 30 layers' projections and the LM head on a Zen 3, 2 threads, weights from memory: 1 row
+// 7.0-10.7 ms (10.9-13.9 for a kernel that kept each output's blocks together and summed each
+// output across lanes); 32 rows 67-82 ms against float32's prepacked matmul's 82-111; 64 rows
+// 105-132 against 141-148; 512 rows 1.01-1.09 s against 1.04-1.16; 3,200 rows 7.30 s against
+// 7.22. Register tiles of 5-6 rows x 16 outputs without the buffer (19 live registers) spilled
+// and ran slower.
 #include <torch/extension.h>
 #include <ATen/Parallel.h>
 
@@ -43,8 +51,10 @@ namespace {
 
 #if defined(__AVX2__) && defined(__FMA__)
 constexpr bool kBuiltForAvx2 = true;
-constexpr int kPanel = 8;     // outputs a panel holds: one float32 vector
-constexpr int kMaxTile = 8;  // rows a tile multiplies at once: 8 sums, d, m, a weight, an input
+constexpr int kPanel = 8;        // outputs a panel holds: one float32 vector
+constexpr int kMaxTile = 8;      // rows of a register tile: 8 sums, d, m, a weight, an input
+constexpr int kPackedTile = 6;   // rows of a buffered tile: 12 sums, 2 weights, an input
+constexpr int kPackedFrom = 9;   // steps of this many rows and more take the buffered way
 
 // Each format widens the weights of input j of a block for one panel's 8 outputs.
 struct Q4_1 {
@@ -99,6 +109,45 @@ inline void panel_tile(const float* xt, int64_t K, const uint8_t* codes, const f
   }
 }
 
+// A panel's weights widened into out[k * stride + i], i < 8.
+template <typename Format>
+inline void widen_panel(const uint8_t* codes, const float* d, const float* m, int64_t K, float* out, int64_t stride) {
+  for (int64_t b = 0; b < K / 32; ++b, codes += Format::kBlockBytes) {
+    const __m256 vd = _mm256_loadu_ps(d + b * kPanel);
+    const __m256 vm = m ? _mm256_loadu_ps(m + b * kPanel) : _mm256_setzero_ps();
+#pragma GCC unroll 32
+    for (int j = 0; j < 32; ++j) _mm256_storeu_ps(out + (32 * b + j) * stride, Format::widen(codes, j, vd, vm));
+  }
+}
+
+// y[r, 16 q .. 16 q + 16) for the R rows of a tile, from the pair of panels widened into w [K][16].
+template <int R>
+inline void packed_tile(const float* xt, int64_t K, const float* w, float* y, int64_t N) {
+  __m256 acc[2][R];
+#pragma GCC unroll 16
+  for (int i = 0; i < 2 * R; ++i) acc[i / R][i % R] = _mm256_setzero_ps();
+  for (int64_t k = 0; k < K; ++k, xt += R, w += 2 * kPanel) {
+    const __m256 w0 = _mm256_loadu_ps(w), w1 = _mm256_loadu_ps(w + kPanel);
+#pragma GCC unroll 8
+    for (int r = 0; r < R; ++r) {
+      const __m256 x = _mm256_broadcast_ss(xt + r);
+      acc[0][r] = _mm256_fmadd_ps(x, w0, acc[0][r]);
+      acc[1][r] = _mm256_fmadd_ps(x, w1, acc[1][r]);
+    }
+  }
+#pragma GCC unroll 8
+  for (int r = 0; r < R; ++r) {
+    _mm256_storeu_ps(y + r * N, acc[0][r]);
+    _mm256_storeu_ps(y + r * N + kPanel, acc[1][r]);
+  }
+}
+
+template <int... R>
+inline void packed_tile_of(int rows, std::integer_sequence<int, R...>, const float* xt, int64_t K, const float* w,
+                           float* y, int64_t N) {
+  ((rows == R + 1 ? packed_tile<R + 1>(xt, K, w, y, N) : void()), ...);
+}
+
 // The tile of `rows` (1 .. kMaxTile) rows, by its unrolled kernel.
 template <typename Format, int... R>
 inline void tile_of(int rows, std::integer_sequence<int, R...>, const float* xt, int64_t K, const uint8_t* codes,
@@ -124,15 +173,34 @@ torch::Tensor vector_linear(const char* name, const torch::Tensor& x, const torc
   const uint8_t* cp = codes.data_ptr<uint8_t>();
   const float* dp = d.data_ptr<float>();
   const float* mp = m ? m->data_ptr<float>() : nullptr;
-  // Rows in tiles of equal size (20 rows: 7 + 7 + 6, not 8 + 8 + 4), each tile's rows
-  // interleaved once here for every panel (panel_tile).
-  const int64_t tiles = (rows + kMaxTile - 1) / kMaxTile;
+  const bool packed = rows >= kPackedFrom && panels % 2 == 0;  // an odd count: the first way
+  const int64_t tile_rows = packed ? kPackedTile : kMaxTile;
+  // Rows in tiles of equal size (20 rows: 7 + 7 + 6, not 8 + 8 + 4).
+  const int64_t tiles = (rows + tile_rows - 1) / tile_rows;
   std::vector<float> interleaved(rows * K);
   for (int64_t t = 0; t < tiles; ++t) {
     const int64_t r0 = rows * t / tiles, r1 = rows * (t + 1) / tiles, R = r1 - r0;
     float* xt = interleaved.data() + r0 * K;
     for (int64_t r = 0; r < R; ++r)
       for (int64_t k = 0; k < K; ++k) xt[k * R + r] = xp[(r0 + r) * K + k];
+  }
+  if (packed) {
+    at::parallel_for(0, panels / 2, 2, [&](int64_t begin, int64_t end) {
+      std::vector<float> w(K * 2 * kPanel);  // 36 KB for K = 576: in L2, read by every tile
+      for (int64_t pair = begin; pair < end; ++pair) {
+        for (int64_t h = 0; h < 2; ++h) {
+          const int64_t p = 2 * pair + h;
+          widen_panel<Format>(cp + p * Format::code_bytes(K), dp + p * (K / 32) * kPanel,
+                              mp ? mp + p * (K / 32) * kPanel : nullptr, K, w.data() + h * kPanel, 2 * kPanel);
+        }
+        for (int64_t t = 0; t < tiles; ++t) {
+          const int64_t r0 = rows * t / tiles, r1 = rows * (t + 1) / tiles;
+          packed_tile_of(static_cast<int>(r1 - r0), std::make_integer_sequence<int, kPackedTile>{},
+                         interleaved.data() + r0 * K, K, w.data(), yp + r0 * N + 2 * pair * kPanel, N);
+        }
+      }
+    });
+    return y;
   }
   at::parallel_for(0, panels, 4, [&](int64_t begin, int64_t end) {
     for (int64_t p = begin; p < end; ++p) {
