@@ -15,7 +15,7 @@ import pytest
 import torch
 
 from isoserve.kernels import cpu_ops
-from isoserve.model.layer_ops import FusedOps
+from isoserve.model.layer_ops import SHORT_PREFILL_CONTEXT, FusedOps
 from isoserve.model.paged_attention import PrefillChunk, StepAttention, prefill_attention_torch
 from tiny_models import HAS_AMX
 
@@ -153,6 +153,8 @@ def test_fused_ops_take_the_kernel_only_where_it_applies():
     assert fused.amx_prefill_for(64, PAGE) == HAS_AMX and fused.amx_prefill_for(32, 2 * PAGE) == HAS_AMX
     assert not fused.amx_prefill_for(128, PAGE) and not fused.amx_prefill_for(64, 8)
     assert not FusedOps(cpu_ops(), torch.float32).amx_prefill_for(64, PAGE)
+    assert FusedOps(cpu_ops(), torch.float32)._vector_prefill == cpu_ops().has_f32x8
+    assert not fused._vector_prefill  # bfloat16 never takes the float32 decode kernel
     q, k, v, attn = _case(CASES["a wave of prompts"], SHAPES[0], seed=4)
     out = torch.zeros_like(q)
     fused.prefill_attention(q, k, v, attn, SCALE, out)
@@ -162,6 +164,28 @@ def test_fused_ops_take_the_kernel_only_where_it_applies():
     out = torch.zeros_like(q)
     fused.prefill_attention(q, k, v, attn, SCALE, out)
     assert torch.equal(out, _torch_path(q, k, v, attn))
+
+
+@pytest.mark.parametrize("shape", SHAPES, ids=str)
+@pytest.mark.parametrize("case", CASES, ids=str)
+def test_float32_short_chunks_as_decode_queries_read_only_their_keys_and_write_only_their_rows(case, shape):
+    """float32 on AVX2: chunks of at most SHORT_PREFILL_CONTEXT keys go through the decode
+    kernel, a query row at a time with its causal length, in one call; longer ones through
+    torch's path. Either way each chunk's causal attention to float32 rounding, from its own
+    first `context` keys only (NaN everywhere else in the pool), into its own rows only."""
+    q, k, v, attn = _case(CASES[case], shape, seed=8)
+    q, k, v = q.float(), k.float(), v.float()
+    fused = FusedOps(cpu_ops(), torch.float32)
+    longer, rows, pages, lens = attn.prefill_queries(SHORT_PREFILL_CONTEXT)
+    assert [c.context_len > SHORT_PREFILL_CONTEXT for c in longer] == [True] * len(longer)
+    assert rows.numel() == sum(c.num_tokens for c in attn.prefills if c not in longer)
+    out = torch.full_like(q, 7.0)
+    fused.prefill_attention(q, k, v, attn, SCALE, out)
+    chunk_rows = _chunk_rows(attn)
+    others = torch.ones(q.shape[0], dtype=torch.bool)
+    others[chunk_rows] = False
+    assert torch.all(out[others] == 7.0)
+    torch.testing.assert_close(out[chunk_rows].double(), _gold(q, k, v, attn)[chunk_rows], rtol=1e-5, atol=1e-5)
 
 
 def test_kernel_refuses_what_it_cannot_take():

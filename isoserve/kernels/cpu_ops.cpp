@@ -817,6 +817,11 @@ PYBIND11_MODULE(TORCH_EXTENSION_NAME, m) {
         py::arg("q"), py::arg("k_cache"), py::arg("v_cache"), py::arg("pages"), py::arg("lens"),
         py::arg("scale"), py::arg("bf16_dot") = true);
   m.attr("has_bf16_dot") = kHaveBf16Dot;
+#if ISOSERVE_F32X8
+  m.attr("has_f32x8") = true;  // float32 kernels of their own on AVX2 (f32x8.h)
+#else
+  m.attr("has_f32x8") = false;
+#endif
   m.def("argmax_rows", &argmax_rows, "each row's first index of its maximum, as torch.argmax");
   m.def("check_reads", &check_reads, "the read guard: (sequence, page index) pairs that fail");
   m.def("amx_status", &amx_status, "'' when q4_1_linear can run on this machine, else why not");

@@ -38,6 +38,7 @@ class StepAttention:
     prefills: list[PrefillChunk]
     _decode_bias: torch.Tensor | None = field(default=None, repr=False)
     _prefill_tables: tuple[torch.Tensor, torch.Tensor] | None = field(default=None, repr=False)
+    _prefill_queries: dict = field(default_factory=dict, repr=False)
 
     def decode_bias(self, page_size: int) -> torch.Tensor:
         """[Bd, M*page_size] float: 0 for real keys, -inf for padding; built once per step."""
@@ -57,6 +58,25 @@ class StepAttention:
             tables = [c.pages.tolist() for c in self.prefills]
             self._prefill_tables = chunks, page_tables(tables, max(map(len, tables), default=1))
         return self._prefill_tables
+
+
+    def prefill_queries(self, max_context: int) -> tuple[list[PrefillChunk], torch.Tensor, torch.Tensor, torch.Tensor]:
+        """The prefill chunks of at most `max_context` keys as single-token queries, each over
+        the keys before it and itself: (the other chunks, the queries' rows [R], their page
+        tables [R, width] padded with NO_PAGE, their key counts [R]); built once per step."""
+        if max_context not in self._prefill_queries:
+            short = [c for c in self.prefills if c.context_len <= max_context]
+            rest = [c for c in self.prefills if c.context_len > max_context]
+            tables = [c.pages.tolist() for c in short]
+            width = max(map(len, tables), default=1)
+            rows = [torch.arange(c.token_start, c.token_start + c.num_tokens) for c in short]
+            lens = [torch.arange(c.context_len - c.num_tokens + 1, c.context_len + 1) for c in short]
+            pages = page_tables(tables, width).repeat_interleave(
+                torch.tensor([c.num_tokens for c in short], dtype=torch.int64), dim=0)
+            self._prefill_queries[max_context] = (
+                rest, torch.cat(rows) if rows else torch.zeros(0, dtype=torch.int64),
+                pages.reshape(-1, width).contiguous(), torch.cat(lens) if lens else torch.zeros(0, dtype=torch.int64))
+        return self._prefill_queries[max_context]
 
 
 DecodeAttention = Callable[[torch.Tensor, torch.Tensor, torch.Tensor, StepAttention, float], torch.Tensor]
@@ -85,9 +105,10 @@ def paged_attention(q: torch.Tensor, k_cache: torch.Tensor, v_cache: torch.Tenso
     return out
 
 
-def prefill_attention_torch(q, k_cache, v_cache, attn: StepAttention, scale, out) -> None:
-    """Each prefill chunk by torch's scaled_dot_product_attention, one at a time."""
-    for chunk in attn.prefills:
+def prefill_attention_torch(q, k_cache, v_cache, attn: StepAttention, scale, out,
+                            chunks: list[PrefillChunk] | None = None) -> None:
+    """Each prefill chunk (or each of `chunks`) by torch's scaled_dot_product_attention, one at a time."""
+    for chunk in attn.prefills if chunks is None else chunks:
         rows = slice(chunk.token_start, chunk.token_start + chunk.num_tokens)
         out[rows] = _prefill_attention(q[rows], k_cache, v_cache, chunk, scale)
 
