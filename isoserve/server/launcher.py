@@ -46,7 +46,9 @@ def run_worker(args) -> NoReturn:
     from isoserve import failpoints
     from isoserve.disagg.wire import load_cluster_secret
     from isoserve.disagg.worker import Worker, WorkerOptions
+    from isoserve.heap import keep_freed_memory
 
+    keep_freed_memory()
     if args.threads:
         torch.set_num_threads(args.threads)
     _warn_disabled_guards(args.disabled_guards)
