@@ -494,7 +494,7 @@ def part_roofline(run: Run) -> str:
             else "the embedding's rows are gathered, not multiplied")
     matmuls = ", ".join(f"{'x'.join(map(str, m['shape']))}: {m['flops'] / 1e12:.3f}"
                         for m in data["matmuls"])
-    body = (f"This machine, measured in the same run: bf16 `torch.matmul` at best "
+    body = (f"This machine, measured in the same run: {p.dtype} `torch.matmul` at best "
             f"**{data['peak_flops'] / 1e12:.3f} TFLOP/s** (TFLOP/s per [m, k] x [k, n] shape, "
             f"m x k x n: {matmuls}); memory bandwidth **{bw['bytes_per_s'] / 1e9:.1f} GB/s** (the "
             f"better of `.sum()` over a {bw['bytes'] / 2**20:.0f} MiB float32 tensor, "
@@ -513,7 +513,8 @@ def part_roofline(run: Run) -> str:
             f"steps in which all B decode (scheduling, guard, forward, sampling and detokenizing "
             f"included). Read guard: its own time within those steps, the median per step, and "
             f"its share of their total: what the guard costs a decode step. The memory floor "
-            f"counts every weight in bf16, as issue 6 does; \"weights it reads\" are the forms "
+            f"counts every weight in {p.dtype} (issue 6 counts them in bfloat16, native on the CPU it "
+            f"was set on); \"weights it reads\" are the forms "
             f"the step takes at that batch (the GGUF's Q4_1 and Q8_0 blocks where a quantized "
             f"tier covers it, model/quantized.py), and \"their floor\" is those bytes plus the KV "
             f"over the bandwidth.\n\n" + md_table(roofline.HEADERS, [roofline.cells(r) for r in data["results"]]))

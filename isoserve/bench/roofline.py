@@ -1,5 +1,5 @@
-"""Roofline: this machine's bf16 matmul FLOP/s and memory bandwidth, the ideal decode step
-they imply for a model at each batch size, and isoserve's measured step against it.
+"""Roofline: this machine's matmul FLOP/s (in the model's dtype) and memory bandwidth, the ideal
+decode step they imply for a model at each batch size, and isoserve's measured step against it.
 
     measure peak FLOP/s (torch.matmul on the model's decode shapes and one large square)
     measure memory bandwidth (sum over, and copy of, a large tensor)
@@ -13,7 +13,8 @@ they imply for a model at each batch size, and isoserve's measured step against 
                   the steps in which every sequence decodes one token (no prefill in them)
 
 KV and attention are counted at the mean context of those steps (prompt + about half the
-output). That floor counts every weight in bfloat16, as the issue that set the target does; a
+output). That floor counts every weight in the run's dtype (bfloat16 where the CPU computes in it
+natively, as on the machine the issue that set the target was written for; float32 elsewhere); a
 second floor counts the weights the step actually reads, which are the GGUF's 4- or 8-bit
 blocks where a quantized tier takes the batch (model/quantized.py). The measured step is everything engine.step() does: scheduling, the guard, the
 forward, sampling and detokenization.
@@ -95,7 +96,7 @@ def model_costs(config, weights: dict[str, torch.Tensor], dtype: torch.dtype) ->
 def weight_bytes_read(model, rows: int) -> int:
     """Weight bytes a decode step of `rows` sequences reads: each projection's form for that many
     rows (the GGUF's blocks where a quantized tier takes them, model/quantized.py; else the
-    bfloat16 weight), plus the norms."""
+    dense weight in the model's dtype), plus the norms."""
     projections = [model.lm_head] + [p for layer in model.layers for p in (layer.qkv, layer.o, layer.gate_up, layer.down)]
     norms = [model.final_norm] + [n for layer in model.layers for n in (layer.input_norm, layer.post_norm)]
     return sum(p.bytes_read(rows) for p in projections) + sum(n.numel() * n.element_size() for n in norms)
