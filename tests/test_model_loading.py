@@ -171,6 +171,23 @@ def test_bfloat16_is_cached_separately_and_matches_float32(smollm2, cache_dir):
         assert torch.equal(second.weights[name], first.weights[name]), name
 
 
+def test_a_second_dtype_takes_the_tokenizer_its_sibling_entry_saved(tiny_q4_1, tiny_checkpoint, tiny_cache,
+                                                                     tmp_path, monkeypatch):
+    """Converting a GGUF in a second dtype reads the tokenizer the first dtype's entry saved
+    instead of building it from the file again (seconds); it is the same tokenizer. The first
+    entry here is the session's bfloat16 conversion of the tiny GGUF (tiny_checkpoint)."""
+    from isoserve.model import loader
+    [entry] = [p for p in tiny_cache.iterdir() if p.name.startswith(tiny_q4_1.stem + "-bfloat16-")]
+    shutil.copytree(entry, tmp_path / entry.name)
+    read = []
+    real = loader.load_tokenizer
+    monkeypatch.setattr(loader, "load_tokenizer", lambda source, folder=None: read.append(folder) or real(source, folder))
+    converted = load_checkpoint(str(tiny_q4_1), torch.float32, tmp_path)
+    assert not converted.from_cache and read == [tmp_path / entry.name / "tokenizer"]  # never the GGUF
+    assert converted.tokenizer.encode(TEXT) == tiny_checkpoint.tokenizer.encode(TEXT)
+    assert converted.tokenizer.chat_template == tiny_checkpoint.tokenizer.chat_template
+
+
 def test_hf_folder_loads_identical_tensors(tiny_llama, smollm2, cache_dir):
     checkpoint = load_checkpoint(str(tiny_llama), torch.float32, cache_dir)
     assert checkpoint.source.kind == "hf" and not checkpoint.from_cache
