@@ -8,7 +8,8 @@ faulted in and unmapped anew: 360,000 page faults and 6.8-7.1 s a step on a Zen 
 none from the second step on and 4.9-5.6 s, the peak resident size the same (2.4 GB). Worker
 processes (server/launcher.py) fix the threshold at 1 GiB and keep up to 1 GiB of freed heap
 untrimmed: their working set is the same from one step to the next, so the memory is reused,
-never leaked. The offline API leaves the user's process as it is (README: the same through
+never leaked. Some glibc releases refuse a threshold above 32 MiB; there the workers keep 32 MiB
+and say so. The offline API leaves the user's process as it is (README: the same through
 glibc's MALLOC_MMAP_THRESHOLD_ and MALLOC_TRIM_THRESHOLD_).
 """
 from __future__ import annotations
@@ -22,18 +23,29 @@ log = logging.getLogger("isoserve.heap")
 M_TRIM_THRESHOLD = -1   # mallopt's parameter numbers, from glibc's malloc.h
 M_MMAP_THRESHOLD = -3
 MMAP_THRESHOLD = 1 << 30
-TRIM_THRESHOLD = 1 << 30  # both fit mallopt's C int
+OLD_GLIBC_MAX_THRESHOLD = 32 << 20  # what glibc releases that cap the threshold accept at most
+TRIM_THRESHOLD = 1 << 30            # both fit mallopt's C int
 
 
-def keep_freed_memory() -> bool:
-    """Set this process's glibc thresholds; False (and a log line) where there is no glibc."""
+def _mallopt():
     name = ctypes.util.find_library("c")
     try:
-        libc = ctypes.CDLL(name) if name else None
-        mallopt = libc.mallopt if libc is not None else None
+        return ctypes.CDLL(name).mallopt if name else None
     except (OSError, AttributeError):
-        mallopt = None
-    if mallopt is None or not (mallopt(M_MMAP_THRESHOLD, MMAP_THRESHOLD) and mallopt(M_TRIM_THRESHOLD, TRIM_THRESHOLD)):
-        log.info("heap thresholds left as they are (no glibc mallopt here)")
-        return False
-    return True
+        return None
+
+
+def keep_freed_memory() -> int:
+    """Set this process's glibc thresholds; returns the mmap threshold now in force (bytes), or
+    0 where glibc's mallopt is not there or refused it (with a log line either way)."""
+    mallopt = _mallopt()
+    if mallopt is None:
+        log.info("heap thresholds left as they are: no glibc mallopt in this process")
+        return 0
+    threshold = next((t for t in (MMAP_THRESHOLD, OLD_GLIBC_MAX_THRESHOLD) if mallopt(M_MMAP_THRESHOLD, t)), 0)
+    if threshold < MMAP_THRESHOLD:
+        log.warning("glibc accepted an mmap threshold of %d MiB only (asked for %d): allocations above "
+                    "it are still mapped and faulted in anew at every step", threshold >> 20, MMAP_THRESHOLD >> 20)
+    if not mallopt(M_TRIM_THRESHOLD, TRIM_THRESHOLD):
+        log.warning("glibc refused a heap trim threshold of %d MiB", TRIM_THRESHOLD >> 20)
+    return threshold

@@ -91,7 +91,7 @@ def test_four_bit_tiers_follow_the_cpu(tiny_checkpoint):
         assert kinds() == [(4, "Int4Weight")]
         assert kinds(max_rows=8) == [(8, "Int4Weight")]
     assert kinds(max_rows=0) == []
-    # float32: the AVX2 block kernels (tests/test_vector_matmul.py) up to 16, and none without
+    # float32: the AVX2 block kernels (tests/test_vector_matmul.py) up to 512, and none without
     # the fused kernels.
     f32 = [(r, type(q).__name__) for r, q in q4_tiers(parts, torch.float32, kernels)]
     assert f32 == ([(512, "VectorQ4Weight")] if HAS_AVX2 else [])

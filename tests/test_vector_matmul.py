@@ -82,6 +82,20 @@ def test_the_kernels_multiply_by_the_float32_weights(make, rows, outputs):
 
 
 @needs_avx2
+@pytest.mark.parametrize("make", [_q4, _q8], ids=["q4_1", "q8_0"])
+@pytest.mark.parametrize("outputs", [96, 40])
+@pytest.mark.parametrize("rows", [3, 8, 9, 32])
+def test_the_kernels_multiply_by_exactly_the_loaders_weights(make, rows, outputs):
+    # Each row of an identity block picks one input, so the product is the weights themselves:
+    # bit for bit what the loader's float32 dequantization gives, in registers (up to 8 rows),
+    # through the buffer (from 9, an even panel count) or register tiles again (an odd one).
+    weight, dense = make(outputs, 160, seed=rows + outputs)
+    for first in range(0, 160, rows):
+        eye = torch.eye(160)[first:first + rows].contiguous()
+        assert torch.equal(weight.matmul(eye), dense.t()[first:first + rows])
+
+
+@needs_avx2
 def test_the_kernels_refuse_what_they_cannot_read():
     weight, _ = _q4(32, 64, seed=1)
     ops = cpu_ops()

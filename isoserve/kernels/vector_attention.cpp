@@ -22,7 +22,6 @@
 //
 // Memory safety: the caller (cpu_ops.cpp's decode_attention) has bounds-checked every page id
 // and length against the pool before this runs. Ownership is the read guard's (kv/guard.py).
-#include <torch/extension.h>
 #include <ATen/Parallel.h>
 
 #include <algorithm>

@@ -43,6 +43,7 @@
 #include <immintrin.h>
 
 #include <algorithm>
+#include <memory>
 #include <string>
 #include <utility>
 #include <vector>
@@ -52,7 +53,7 @@ namespace {
 #if defined(__AVX2__) && defined(__FMA__)
 constexpr bool kBuiltForAvx2 = true;
 constexpr int kPanel = 8;        // outputs a panel holds: one float32 vector
-constexpr int kMaxTile = 8;      // rows of a register tile: 8 sums, d, m, a weight, an input
+constexpr int kMaxTile = 8;      // rows of a register tile: 8 sums, d, m, a weight, an input, codes, mask
 constexpr int kPackedTile = 6;   // rows of a buffered tile: 12 sums, 2 weights, an input
 constexpr int kPackedFrom = 9;   // steps of this many rows and more take the buffered way
 
@@ -79,13 +80,14 @@ struct Q8_0 {
 
 // y[r, 8p .. 8p + 8) for the R rows of a tile and panel p. xt is the tile's rows interleaved
 // ([K][R]: input k of every row together), so that every load of an input in the unrolled
-// block below is one base register and a constant offset. Below 8 rows each row keeps 2 or 4
-// sums (inputs taking turns), so that 8 multiply-adds in flight (two ports, four cycles each)
-// do not wait on each other.
+// block below is one base register and a constant offset. Below 5 rows each row keeps 2 or 4
+// sums (inputs taking turns), so that more multiply-adds are in flight (two ports, four cycles
+// each) than one sum per row allows; at most 8 sums, which with d, m, the weight, the input and
+// (Q4_1) the loaded codes and their mask fit the 16 registers (12 or 14 sums spilled).
 template <typename Format, int R>
 inline void panel_tile(const float* xt, int64_t K, const uint8_t* codes, const float* d, const float* m,
                        float* y, int64_t N) {
-  constexpr int A = R >= 8 ? 1 : R >= 4 ? 2 : 4;  // sums per row
+  constexpr int A = R >= 5 ? 1 : R >= 3 ? 2 : 4;  // sums per row
   __m256 acc[A][R];
 #pragma GCC unroll 32
   for (int i = 0; i < A * R; ++i) acc[i / R][i % R] = _mm256_setzero_ps();
@@ -175,12 +177,13 @@ torch::Tensor vector_linear(const char* name, const torch::Tensor& x, const torc
   const float* mp = m ? m->data_ptr<float>() : nullptr;
   const bool packed = rows >= kPackedFrom && panels % 2 == 0;  // an odd count: the first way
   const int64_t tile_rows = packed ? kPackedTile : kMaxTile;
-  // Rows in tiles of equal size (20 rows: 7 + 7 + 6, not 8 + 8 + 4).
+  // Rows in tiles of equal size (20 rows: 7 + 7 + 6, not 8 + 8 + 4): tile t is rows [r0, r1).
   const int64_t tiles = (rows + tile_rows - 1) / tile_rows;
-  std::vector<float> interleaved(rows * K);
+  const auto first_row = [&](int64_t t) { return rows * t / tiles; };
+  std::unique_ptr<float[]> interleaved(new float[rows * K]);  // every element written below
   for (int64_t t = 0; t < tiles; ++t) {
-    const int64_t r0 = rows * t / tiles, r1 = rows * (t + 1) / tiles, R = r1 - r0;
-    float* xt = interleaved.data() + r0 * K;
+    const int64_t r0 = first_row(t), R = first_row(t + 1) - r0;
+    float* xt = interleaved.get() + r0 * K;
     for (int64_t r = 0; r < R; ++r)
       for (int64_t k = 0; k < K; ++k) xt[k * R + r] = xp[(r0 + r) * K + k];
   }
@@ -194,9 +197,9 @@ torch::Tensor vector_linear(const char* name, const torch::Tensor& x, const torc
                               mp ? mp + p * (K / 32) * kPanel : nullptr, K, w.data() + h * kPanel, 2 * kPanel);
         }
         for (int64_t t = 0; t < tiles; ++t) {
-          const int64_t r0 = rows * t / tiles, r1 = rows * (t + 1) / tiles;
-          packed_tile_of(static_cast<int>(r1 - r0), std::make_integer_sequence<int, kPackedTile>{},
-                         interleaved.data() + r0 * K, K, w.data(), yp + r0 * N + 2 * pair * kPanel, N);
+          const int64_t r0 = first_row(t);
+          packed_tile_of(static_cast<int>(first_row(t + 1) - r0), std::make_integer_sequence<int, kPackedTile>{},
+                         interleaved.get() + r0 * K, K, w.data(), yp + r0 * N + 2 * pair * kPanel, N);
         }
       }
     });
@@ -208,9 +211,9 @@ torch::Tensor vector_linear(const char* name, const torch::Tensor& x, const torc
       const float* panel_d = dp + p * (K / 32) * kPanel;
       const float* panel_m = mp ? mp + p * (K / 32) * kPanel : nullptr;
       for (int64_t t = 0; t < tiles; ++t) {
-        const int64_t r0 = rows * t / tiles, r1 = rows * (t + 1) / tiles;
-        tile_of<Format>(static_cast<int>(r1 - r0), std::make_integer_sequence<int, kMaxTile>{},
-                        interleaved.data() + r0 * K, K, panel_codes, panel_d, panel_m, yp + r0 * N + p * kPanel, N);
+        const int64_t r0 = first_row(t);
+        tile_of<Format>(static_cast<int>(first_row(t + 1) - r0), std::make_integer_sequence<int, kMaxTile>{},
+                        interleaved.get() + r0 * K, K, panel_codes, panel_d, panel_m, yp + r0 * N + p * kPanel, N);
       }
     }
   });

@@ -117,10 +117,11 @@ class FusedOps:
             # here (32 chunks of 100 tokens: 27.9 ms a layer, 11.0 this way; on a Zen 3), but
             # shares each key across a block of queries, which a long context pays back
             # (2,000 tokens: 62 ms a layer against 126).
-            longer, rows, pages, lens = attn.prefill_queries(SHORT_PREFILL_CONTEXT)
-            if rows.numel():
-                out[rows] = self.kernels.decode_attention(q[rows], k_cache, v_cache, pages, lens, scale)
-            prefill_attention_torch(q, k_cache, v_cache, attn, scale, out, longer)
+            short = attn.prefill_queries(SHORT_PREFILL_CONTEXT)
+            if short.rows.numel():
+                out[short.rows] = self.kernels.decode_attention(q[short.rows], k_cache, v_cache, short.pages,
+                                                                short.lens, scale)
+            prefill_attention_torch(q, k_cache, v_cache, attn, scale, out, short.longer)
         else:
             prefill_attention_torch(q, k_cache, v_cache, attn, scale, out)
 

@@ -3,9 +3,10 @@
 Tokens of all sequences in a step are concatenated ([T, ...]). Single-token queries (decodes)
 are attended as one batch, by the fused kernel that reads pages in place (kernels/cpu_ops.cpp)
 or by `decode_attention_torch`; multi-token queries (prefill chunks) all in one call of the AMX
-kernel (kernels/amx_attention.cpp) where it applies, else one sequence at a time by
-`prefill_attention_torch`, since their shapes differ. Every read goes through a page table the
-guard has checked.
+kernel (kernels/amx_attention.cpp) where it applies; in float32 on AVX2 the chunks of at most
+512 keys as decode queries with causal lengths (`prefill_queries`, one call of the decode
+kernel); the rest one sequence at a time by `prefill_attention_torch`, since their shapes
+differ. Every read goes through a page table the guard has checked.
 
 A layer's cache is [kv_heads, pages, page_size, head_dim]: gathering a batch's pages gives
 [kv_heads, batch, keys, head_dim] directly, which batched matmuls take without a copy.
@@ -13,7 +14,7 @@ A layer's cache is [kv_heads, pages, page_size, head_dim]: gathering a batch's p
 from __future__ import annotations
 
 from dataclasses import dataclass, field
-from typing import Callable
+from typing import Callable, NamedTuple
 
 import torch
 import torch.nn.functional as F
@@ -29,6 +30,14 @@ class PrefillChunk:
     pages: torch.Tensor       # [ceil(context_len / page_size)] page ids
 
 
+class PrefillQueries(NamedTuple):
+    """A step's short prefill chunks as decode queries (StepAttention.prefill_queries)."""
+    longer: list[PrefillChunk]   # the chunks left as they are
+    rows: torch.Tensor           # [R] the queries' rows in the step
+    pages: torch.Tensor          # [R, width] each query's chunk's page table, padded with NO_PAGE
+    lens: torch.Tensor           # [R] keys each query attends to: the chunk's before it and itself
+
+
 @dataclass
 class StepAttention:
     write_slots: torch.Tensor    # [T] pool slot (page * page_size + offset) of each token's K/V
@@ -38,7 +47,7 @@ class StepAttention:
     prefills: list[PrefillChunk]
     _decode_bias: torch.Tensor | None = field(default=None, repr=False)
     _prefill_tables: tuple[torch.Tensor, torch.Tensor] | None = field(default=None, repr=False)
-    _prefill_queries: dict = field(default_factory=dict, repr=False)
+    _prefill_queries: dict[int, PrefillQueries] = field(default_factory=dict, repr=False)
 
     def decode_bias(self, page_size: int) -> torch.Tensor:
         """[Bd, M*page_size] float: 0 for real keys, -inf for padding; built once per step."""
@@ -59,23 +68,21 @@ class StepAttention:
             self._prefill_tables = chunks, page_tables(tables, max(map(len, tables), default=1))
         return self._prefill_tables
 
-
-    def prefill_queries(self, max_context: int) -> tuple[list[PrefillChunk], torch.Tensor, torch.Tensor, torch.Tensor]:
+    def prefill_queries(self, max_context: int) -> PrefillQueries:
         """The prefill chunks of at most `max_context` keys as single-token queries, each over
-        the keys before it and itself: (the other chunks, the queries' rows [R], their page
-        tables [R, width] padded with NO_PAGE, their key counts [R]); built once per step."""
+        the keys before it and itself (the others left as chunks); built once per step."""
         if max_context not in self._prefill_queries:
-            short = [c for c in self.prefills if c.context_len <= max_context]
-            rest = [c for c in self.prefills if c.context_len > max_context]
-            tables = [c.pages.tolist() for c in short]
-            width = max(map(len, tables), default=1)
-            rows = [torch.arange(c.token_start, c.token_start + c.num_tokens) for c in short]
-            lens = [torch.arange(c.context_len - c.num_tokens + 1, c.context_len + 1) for c in short]
-            pages = page_tables(tables, width).repeat_interleave(
-                torch.tensor([c.num_tokens for c in short], dtype=torch.int64), dim=0)
-            self._prefill_queries[max_context] = (
-                rest, torch.cat(rows) if rows else torch.zeros(0, dtype=torch.int64),
-                pages.reshape(-1, width).contiguous(), torch.cat(lens) if lens else torch.zeros(0, dtype=torch.int64))
+            short = [i for i, c in enumerate(self.prefills) if c.context_len <= max_context]
+            chunks = [self.prefills[i] for i in short]
+            _, tables = self.prefill_tables()
+            counts = torch.tensor([c.num_tokens for c in chunks], dtype=torch.int64)
+            self._prefill_queries[max_context] = PrefillQueries(
+                longer=[c for c in self.prefills if c.context_len > max_context],
+                rows=torch.cat([torch.arange(c.token_start, c.token_start + c.num_tokens) for c in chunks]
+                               or [torch.zeros(0, dtype=torch.int64)]),
+                pages=tables[short].repeat_interleave(counts, dim=0),
+                lens=torch.cat([torch.arange(c.context_len - c.num_tokens + 1, c.context_len + 1) for c in chunks]
+                               or [torch.zeros(0, dtype=torch.int64)]))
         return self._prefill_queries[max_context]
 
 

@@ -1,5 +1,6 @@
 """GGUF weights for the float32 block kernels (kernels/vector_matmul.cpp): Q4_1 and Q8_0 blocks
-widened to float32 in AVX2 registers.
+widened to float32 on AVX2, in registers for steps of up to 8 rows, into a per-thread buffer
+for bigger ones.
 
 Where isoserve runs in float32 (a CPU without a native bfloat16 path, config.native_bfloat16),
 a decode step of a few sequences is bound by reading the weights: float32 reads 32 bits a
@@ -43,6 +44,8 @@ def q4_1_panel_codes(codes: torch.Tensor) -> torch.Tensor:
 
 
 def _shape_fits(rows: int, cols: int) -> bool:
+    # Outputs that do not fill panels of 8 keep the dense weight: hidden sizes and the
+    # vocabularies of the Llama-family models here (32000, 49152, 128256, 151936) all do.
     return rows % PANEL == 0 and cols % GROUP == 0
 
 
