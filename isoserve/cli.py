@@ -26,7 +26,12 @@ def _engine_args(p: argparse.ArgumentParser) -> None:
                    help="steps of at most N tokens multiply by the GGUF's own 4-bit (Q4_1) weights, and "
                         "on AMX or in float32 its 8-bit (Q8_0) LM head, instead of the dense weights: "
                         "faster decode batches (default: bfloat16 32 where the CPU has AMX, which "
-                        "isoserve's kernels use, else 4; float32 16, on AVX2; 0 = off; CPU only)")
+                        "isoserve's kernels use, else 4; float32 512, on AVX2; 0 = off; CPU only)")
+    p.add_argument("--int8-activations", action=argparse.BooleanOptionalAction, default=None,
+                   help="in float32 on AVX2, multiply the GGUF's 4-bit and 8-bit blocks by the "
+                        "activations quantized to int8 by blocks of 32 (llama.cpp's arithmetic for these "
+                        "files; faster decode batches). Default: wherever it runs; "
+                        "--no-int8-activations keeps them in float32")
     p.add_argument("--no-fused-kernels", dest="fused_kernels", action="store_false",
                    help="run the work between matmuls as torch ops instead of the fused CPU kernels "
                         "(isoserve/kernels; for comparison: both paths compute the same)")

@@ -76,6 +76,11 @@ class EngineConfig:
     # up to 32 rows; elsewhere torch's int4 kernel, ~2.5x cheaper than bfloat16 for one sequence
     # and slower from 5 rows on. See model/quantized.py.
     int4_max_rows: int | None = None
+    # In float32 on AVX2 (a CPU without a native bfloat16 path), the GGUF's Q4_1 and Q8_0 blocks
+    # multiply the activations quantized to int8 by blocks of 32, llama.cpp's arithmetic for
+    # these files: 1.6x faster matmuls at 32 rows. None: wherever that kernel runs; False: the
+    # float32 block kernels; True: required (an error where it cannot run). model/int8_blocks.py.
+    int8_activations: bool | None = None
     # Norms, RoPE + KV write, decode attention and SwiGLU as fused CPU kernels (isoserve/kernels)
     # where they build; torch ops otherwise. See model/layer_ops.py.
     fused_kernels: bool = True

@@ -91,9 +91,12 @@ def test_four_bit_tiers_follow_the_cpu(tiny_checkpoint):
         assert kinds() == [(4, "Int4Weight")]
         assert kinds(max_rows=8) == [(8, "Int4Weight")]
     assert kinds(max_rows=0) == []
-    # float32: the AVX2 block kernels (tests/test_vector_matmul.py) up to 512, and none without
-    # the fused kernels.
+    # float32: the int8 block kernels for every step (tests/test_int8_matmul.py), with int8
+    # activations off the float32 block kernels up to 512 (tests/test_vector_matmul.py), and
+    # none without the fused kernels.
     f32 = [(r, type(q).__name__) for r, q in q4_tiers(parts, torch.float32, kernels)]
+    assert f32 == ([(2**62, "Int8Q4Weight")] if HAS_AVX2 else [])
+    f32 = [(r, type(q).__name__) for r, q in q4_tiers(parts, torch.float32, kernels, int8_activations=False)]
     assert f32 == ([(512, "VectorQ4Weight")] if HAS_AVX2 else [])
     assert q4_tiers(parts, torch.float32, None) == []
     # Without the fused kernels there is no AMX kernel: torch's int4 kernel alone.

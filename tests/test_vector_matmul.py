@@ -113,7 +113,7 @@ def test_float32_takes_the_block_kernels_for_small_steps_only(tiny_q4_1, tiny_ca
     ckpt = load_checkpoint(str(tiny_q4_1), torch.float32, tiny_cache)
 
     def model(rows=None):
-        return LlamaModel(ckpt.config, ckpt.weights, torch.float32, int4_max_rows=rows)
+        return LlamaModel(ckpt.config, ckpt.weights, torch.float32, int4_max_rows=rows, int8_activations=False)
 
     default = model()
     assert default.quantized_projections == (2 * 4 if HAS_AVX2 else 0)  # qkv, o, gate_up, down
@@ -131,7 +131,8 @@ def test_float32_with_the_block_kernels_decodes_as_the_dense_weights_do(tiny_q4_
     params = SamplingParams(max_tokens=12, temperature=0.0, ignore_eos=True, logprobs=2)
     runs = {}
     for rows in (None, 0):
-        llm = LLM(model=str(tiny_q4_1), dtype="float32", int4_max_rows=rows, cache_dir=str(tiny_cache))
+        llm = LLM(model=str(tiny_q4_1), dtype="float32", int4_max_rows=rows, int8_activations=False,
+                  cache_dir=str(tiny_cache))
         assert (llm.engine.model.quantized_projections > 0) == (rows is None and HAS_AVX2)
         runs[rows] = [llm.generate([prompts[0]], params)[0]] + llm.generate(prompts, params)
     for blocks, dense in zip(runs[None], runs[0]):

@@ -81,7 +81,7 @@ def run_header(args, model: str) -> dict:
             "model": model, "dtype": args.dtype, "torch_threads": torch.get_num_threads(),
             "device": args.device,
             "gpu": torch.cuda.get_device_name() if args.device.startswith("cuda") else None,
-            "fused_kernels": args.fused_kernels,
+            "fused_kernels": args.fused_kernels, "int8_activations": args.int8_activations,
             "machine": machine_facts(),
             "prompt_tokens": args.prompt_tokens, "output_tokens": args.output_tokens,
             "seed": args.seed}

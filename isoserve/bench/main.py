@@ -62,6 +62,10 @@ def add_arguments(p: argparse.ArgumentParser) -> None:
     offline.add_argument("--no-fused-kernels", dest="fused_kernels", action="store_false",
                          help="isoserve's layers as torch ops instead of the fused CPU kernels "
                               "(offline, roofline and prefill modes)")
+    offline.add_argument("--no-int8-activations", dest="int8_activations", action="store_const", const=False,
+                         default=None,
+                         help="in float32, isoserve's GGUF blocks multiply float32 activations, not int8 "
+                              "ones (offline, roofline and prefill modes; see `isoserve serve --help`)")
     offline.add_argument("--peers", type=_name_list, default=["transformers"], metavar="NAME[,NAME...]",
                          help="transformers (default) and/or generate_batch (continuous batching)")
 

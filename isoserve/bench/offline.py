@@ -68,6 +68,7 @@ def run_offline(args) -> dict:
     largest, page = max(args.batch), EngineConfig.page_size
     per_sequence = -(-(args.prompt_tokens + args.output_tokens) // page) * page
     llm = LLM(model=model, dtype=args.dtype, device=args.device, fused_kernels=args.fused_kernels,
+              int8_activations=args.int8_activations,
               kv_tokens=largest * per_sequence, max_num_seqs=max(EngineConfig.max_num_seqs, largest))
     chosen = build_peers(args.peers, model, args.dtype, llm)
     prompts = prompt_ids(llm.tokenizer, max(args.batch), args.prompt_tokens, args.seed)

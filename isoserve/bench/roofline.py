@@ -220,7 +220,7 @@ def run_roofline(args) -> dict:
 
     costs = model_costs(cfg, ckpt.weights, dtype)
     engine = Engine(EngineConfig(model=model, dtype=args.dtype, max_num_seqs=max(64, max(batches)),
-                                 fused_kernels=args.fused_kernels),
+                                 fused_kernels=args.fused_kernels, int8_activations=args.int8_activations),
                     checkpoint=ckpt)
     prompts = prompt_ids(engine.tokenizer, max(batches), args.prompt_tokens, args.seed)
     measure_decode_steps(engine, prompts[:2], 3)  # warm-up

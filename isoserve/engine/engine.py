@@ -69,7 +69,7 @@ class Engine:
         self.allocator = PageAllocator(self.pool, scrub_freed_pages=config.scrub_freed_pages)
         self.model = LlamaModel(ckpt.config, ckpt.weights, dtype, config.device,
                                 max_positions=self.context_length, int4_max_rows=config.int4_max_rows,
-                                fused_kernels=config.fused_kernels)
+                                int8_activations=config.int8_activations, fused_kernels=config.fused_kernels)
         self.scheduler = Scheduler(self.allocator, config.page_size, config.max_num_seqs,
                                    config.max_batched_tokens)
         self.runner = ModelRunner(self.model, self.pool,

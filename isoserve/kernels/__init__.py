@@ -1,5 +1,5 @@
 """Fused CPU kernels (cpu_ops.cpp, amx_matmul.cpp, amx_attention.cpp, vector_matmul.cpp,
-vector_attention.cpp), built with torch's C++ extension builder.
+vector_attention.cpp, int8_matmul.cpp), built with torch's C++ extension builder.
 
 `make install` builds them once (`python -m isoserve.kernels`: ninja and the system C++
 compiler) into a folder named after a hash of the source, the flags and the torch version.
@@ -26,7 +26,7 @@ from isoserve.config import default_cache_dir
 log = logging.getLogger("isoserve.kernels")
 
 SOURCES = [Path(__file__).with_name(name) for name in ("cpu_ops.cpp", "amx_matmul.cpp", "amx_attention.cpp",
-                                                         "vector_matmul.cpp", "vector_attention.cpp")]
+                                                         "vector_matmul.cpp", "vector_attention.cpp", "int8_matmul.cpp")]
 HEADERS = [Path(__file__).with_name(name) for name in ("amx.h", "bf16x16.h", "f32x8.h", "page_reads.h")]
 # Native code for the CPU it is built on, minus AMX: a process must ask Linux for the tile state
 # before its first AMX instruction, or that instruction faults (as llama.cpp's does on these VMs:

@@ -803,6 +803,11 @@ std::string vector_status();
 torch::Tensor q4_1_linear_f32(const torch::Tensor& x, const torch::Tensor& codes, const torch::Tensor& d,
                               const torch::Tensor& m);
 torch::Tensor q8_0_linear_f32(const torch::Tensor& x, const torch::Tensor& codes, const torch::Tensor& d);
+// int8_matmul.cpp
+std::string int8_status();
+torch::Tensor q4_1_linear_i8(const torch::Tensor& x, const torch::Tensor& codes, const torch::Tensor& d,
+                             const torch::Tensor& m);
+torch::Tensor q8_0_linear_i8(const torch::Tensor& x, const torch::Tensor& codes, const torch::Tensor& d);
 // amx_attention.cpp
 void prefill_attention(const torch::Tensor& q, const torch::Tensor& k_cache, const torch::Tensor& v_cache,
                        const torch::Tensor& chunks, const torch::Tensor& pages, torch::Tensor& out,
@@ -833,6 +838,13 @@ PYBIND11_MODULE(TORCH_EXTENSION_NAME, m) {
   m.def("q4_1_linear_f32", &q4_1_linear_f32, "x W^T in float32 for Q4_1 blocks (model/vector_blocks.py), AVX2",
         py::arg("x"), py::arg("codes"), py::arg("d"), py::arg("m"));
   m.def("q8_0_linear_f32", &q8_0_linear_f32, "x W^T in float32 for Q8_0 blocks (model/vector_blocks.py), AVX2",
+        py::arg("x"), py::arg("codes"), py::arg("d"));
+  m.def("int8_status", &int8_status, "'' when q4_1_linear_i8 can run on this machine, else why not");
+  m.def("q4_1_linear_i8", &q4_1_linear_i8,
+        "x W^T for Q4_1 blocks with x quantized to int8 by blocks of 32 (model/int8_blocks.py), AVX2",
+        py::arg("x"), py::arg("codes"), py::arg("d"), py::arg("m"));
+  m.def("q8_0_linear_i8", &q8_0_linear_i8,
+        "x W^T for Q8_0 blocks with x quantized to int8 by blocks of 32 (model/int8_blocks.py), AVX2",
         py::arg("x"), py::arg("codes"), py::arg("d"));
   m.def("prefill_attention", &prefill_attention,
         "causal attention of a step's prefill chunks over their pages into out's rows, on AMX",

@@ -16,7 +16,7 @@ from isoserve.model.config import ModelConfig
 from isoserve.model import int4, q8_0
 from isoserve.model.layer_ops import select_ops
 from isoserve.model.projection import Projection
-from isoserve.model.quantized import q4_tiers, q8_tiers
+from isoserve.model.quantized import EVERY_STEP, q4_tiers, q8_tiers, require_int8_activations
 from isoserve.model.paged_attention import StepAttention, paged_attention
 from isoserve.model.rope import RotaryEmbedding
 
@@ -34,18 +34,25 @@ class LayerWeights:
 class LlamaModel:
     def __init__(self, cfg: ModelConfig, weights: dict[str, torch.Tensor], dtype: torch.dtype,
                  device: torch.device | str = "cpu", max_positions: int | None = None,
-                 int4_max_rows: int | None = None, fused_kernels: bool = True):
+                 int4_max_rows: int | None = None, fused_kernels: bool = True,
+                 int8_activations: bool | None = None):
         """int4_max_rows: steps of at most this many tokens multiply by the companions of Q4_1
         projections (and, on AMX, of a Q8_0 LM head) where the checkpoint has them; bfloat16 on
         CPU only. None: the defaults of the kernels this machine runs (model/quantized.py).
         fused_kernels: run the work between matmuls as fused CPU kernels where they apply
-        (model/layer_ops.py, and the AMX matmul); `self.ops_note` says why not otherwise."""
+        (model/layer_ops.py, and the AMX matmul); `self.ops_note` says why not otherwise.
+        int8_activations: in float32, those blocks multiply the activations quantized to int8
+        (model/int8_blocks.py); None: wherever that kernel runs, True: a ValueError where not."""
         self.cfg = cfg
         self.dtype = dtype
         self.device = torch.device(device)
         self.ops, self.ops_note = select_ops(self.device, dtype, fused_kernels)
         if self.device.type != "cpu":
             int4_max_rows = 0
+        if int8_activations:
+            why = require_int8_activations(dtype, self.ops.kernels, int4_max_rows)
+            if why:
+                raise ValueError(f"int8 activations cannot run here: {why}")
         self.quantized_paths: Counter[str] = Counter()  # kernels and their row limits: projections
 
         def w(name: str) -> torch.Tensor:
@@ -59,7 +66,7 @@ class LlamaModel:
             tiers = []
             if all(int4.has_companions(weights, n) for n in names):
                 tiers = q4_tiers([tuple(weights[n + s] for s in int4.COMPANIONS) for n in names],
-                                 dtype, self.ops.kernels, int4_max_rows)
+                                 dtype, self.ops.kernels, int4_max_rows, int8_activations)
             return self._projection(full, bias, tiers)
 
         self.embed = w("model.embed_tokens.weight")
@@ -68,7 +75,7 @@ class LlamaModel:
         head_tiers = []
         if q8_0.has_companions(weights, head):
             head_tiers = q8_tiers(weights[head + q8_0.CODES], weights[head + q8_0.SCALE], dtype,
-                                  self.ops.kernels, int4_max_rows)
+                                  self.ops.kernels, int4_max_rows, int8_activations)
         self.lm_head = self._projection(self.embed if cfg.tie_word_embeddings else w(head), None, head_tiers,
                                         "LM head ")
         self.layers = []
@@ -93,7 +100,8 @@ class LlamaModel:
 
     def _projection(self, weight: torch.Tensor, bias: torch.Tensor | None, tiers: list, what: str = "") -> Projection:
         if tiers:
-            ways = ", ".join(f"{q.name} for steps of <= {rows} tokens" for rows, q in tiers)
+            ways = ", ".join(f"{q.name} for " + ("every step" if rows >= EVERY_STEP else f"steps of <= {rows} tokens")
+                             for rows, q in tiers)
             self.quantized_paths[what + ways] += 1
         return Projection(weight, bias, tiers)
 

@@ -30,7 +30,7 @@ def vector_unavailable(kernels) -> str:
 PANEL = 8  # outputs a panel holds (kernels/vector_matmul.cpp's kPanel)
 
 
-def _panels(t: torch.Tensor) -> torch.Tensor:
+def panels(t: torch.Tensor) -> torch.Tensor:
     """[N, C] -> [N / 8, C, 8]: column c of each panel's 8 rows side by side."""
     rows, cols = t.shape
     return t.reshape(rows // PANEL, PANEL, cols).transpose(1, 2).contiguous()
@@ -40,10 +40,10 @@ def q4_1_panel_codes(codes: torch.Tensor) -> torch.Tensor:
     """Codes [N, K] (0..15) -> [N / 8, K / 2, 8] bytes: inputs 2i (low nibble) and 2i + 1 (high)
     of each of a panel's 8 outputs."""
     c = codes.to(torch.uint8)
-    return _panels(c[:, 0::2] | (c[:, 1::2] << 4))
+    return panels(c[:, 0::2] | (c[:, 1::2] << 4))
 
 
-def _shape_fits(rows: int, cols: int) -> bool:
+def shape_fits(rows: int, cols: int) -> bool:
     # Outputs that do not fill panels of 8 keep the dense weight: hidden sizes and the
     # vocabularies of the Llama-family models here (32000, 49152, 128256, 151936) all do.
     return rows % PANEL == 0 and cols % GROUP == 0
@@ -63,9 +63,9 @@ class VectorQ4Weight:
         """One weight from the Q4_1 (codes, d, m) of one or more projections stacked by output
         rows (merged QKV, gate-up); None where the kernel cannot take the shape."""
         codes, d, m = merge(parts)
-        if not _shape_fits(*codes.shape):
+        if not shape_fits(*codes.shape):
             return None
-        return cls(q4_1_panel_codes(codes), _panels(d.float()), _panels(m.float()), kernels)
+        return cls(q4_1_panel_codes(codes), panels(d.float()), panels(m.float()), kernels)
 
     @property
     def nbytes(self) -> int:
@@ -85,9 +85,9 @@ class VectorQ8Weight:
 
     @classmethod
     def from_companions(cls, codes: torch.Tensor, d: torch.Tensor, kernels) -> VectorQ8Weight | None:
-        if not _shape_fits(*codes.shape):
+        if not shape_fits(*codes.shape):
             return None
-        return cls(_panels(codes.to(torch.int8)).view(torch.uint8), _panels(d.float()), kernels)
+        return cls(panels(codes.to(torch.int8)).view(torch.uint8), panels(d.float()), kernels)
 
     @property
     def nbytes(self) -> int:

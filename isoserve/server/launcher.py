@@ -27,6 +27,7 @@ def _engine_config(args, *, kv_tokens=None, kv_memory_gb=None) -> EngineConfig:
                         kv_memory_bytes=int(kv_memory_gb * GIB) if kv_memory_gb else None,
                         max_num_seqs=args.max_num_seqs, max_batched_tokens=args.max_batched_tokens,
                         scrub_freed_pages=args.scrub_freed_pages, int4_max_rows=args.int4_max_rows,
+                        int8_activations=args.int8_activations,
                         fused_kernels=args.fused_kernels,
                         disabled_guards=args.disabled_guards, cache_dir=args.cache_dir)
 
@@ -175,6 +176,8 @@ def _worker_command(args, role: str, index: int, router: str, kv_endpoint: str, 
            "--transfer-timeout", str(args.transfer_timeout), "--threads", str(threads)]
     if args.int4_max_rows is not None:  # otherwise each worker takes its own kernel's default
         cmd += ["--int4-max-rows", str(args.int4_max_rows)]
+    if args.int8_activations is not None:
+        cmd.append("--int8-activations" if args.int8_activations else "--no-int8-activations")
     if args.context_length:
         cmd += ["--context-length", str(args.context_length)]
     if role == "prefill":

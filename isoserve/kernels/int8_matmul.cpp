@@ -1,0 +1,276 @@
+// y = x W^T for a GGUF's Q4_1 or Q8_0 weights on AVX2 with the activations quantized to int8:
+// the arithmetic of llama.cpp's CPU path for these files (its Q8 activation blocks), written
+// for isoserve's panel layout.
+//
+// Why: on a CPU without a native bfloat16 path (AVX2 only, such as AMD Zen 3) isoserve runs in
+// float32, and a decode step of 32 sequences is bound by the float32 multiply-adds (two 8-lane
+// FMAs a cycle). vpmaddubsw multiplies 32 byte pairs in one instruction, two a cycle: a block
+// of 32 inputs costs 8 of them per row and pair of panels where float32 costs 64 FMAs.
+//
+// Arithmetic (model/int8_blocks.py reproduces it, and tests/test_int8_matmul.py checks it):
+// each row's block of 32 inputs is quantized on its own, a = amax / 127, q = round(x * (127 /
+// amax)) (round half to even; a block of zeros has a = 0 and q = 0), with its sum s = a * sum(q).
+// A block's products are summed exactly in integers, then in float32, block after block:
+//   Q4_1 (w = d * c + m, c in 0..15)  y += (d * a) * sum(c q);  y += m * s
+//   Q8_0 (w = d * c, c in -128..127)  y += (d * a) * sum(c q)
+// Every row takes the same operations in the same order whatever the step's other rows and the
+// thread count, so a sequence's logits do not depend on what it was batched with.
+//
+// Layout (model/int8_blocks.py builds it): the outputs in panels of 8, d (and m) as float32
+// [N / 8, K / 32, 8] as in vector_matmul.cpp. The codes in groups of 4 inputs: a group's 32
+// bytes hold the 8 outputs' 4 codes each ([output][input]), so one vpmaddubsw against one
+// row's 4 inputs broadcast gives, per output, two sums of two products. Q4_1: a block's 8
+// groups in 4 chunks of 32 bytes, chunk c holding group c in its low nibbles and group c + 4
+// in its high ones: [N / 8, K / 32, 4, 32] bytes. Q8_0: [N / 8, K / 32, 8, 32] int8.
+//
+// A pair of panels is widened once into a buffer of bytes (Q4_1: the codes; Q8_0: |c| and c,
+// for vpsignb puts c's sign on the input), then every tile of up to 6 rows runs over it.
+#include <torch/extension.h>
+#include <ATen/Parallel.h>
+
+#include <immintrin.h>
+
+#include <algorithm>
+#include <cmath>
+#include <memory>
+#include <string>
+#include <vector>
+
+namespace {
+
+#if defined(__AVX2__) && defined(__FMA__)
+constexpr bool kBuiltForAvx2 = true;
+constexpr int kPanel = 8;   // outputs a panel holds: one vector of 8 int32 or float32 sums
+constexpr int kTile = 4;    // rows of a tile
+
+// A step's rows, quantized by blocks of 32: the tile of rows [r0, r0 + R) holds its codes
+// interleaved, [K / 4][R] words of 4 codes, so each broadcast of a row's group is a constant
+// offset from one register; scale and sum are [rows][K / 32].
+struct QuantizedRows {
+  std::unique_ptr<int32_t[]> words;
+  std::unique_ptr<float[]> scale, sum;
+};
+
+inline float max_abs_lanes(__m256 v) {
+  const __m128 half = _mm_max_ps(_mm256_castps256_ps128(v), _mm256_extractf128_ps(v, 1));
+  const __m128 pair = _mm_max_ps(half, _mm_movehl_ps(half, half));
+  return _mm_cvtss_f32(_mm_max_ss(pair, _mm_movehdup_ps(pair)));
+}
+
+inline int32_t sum_lanes(__m256i v) {
+  const __m128i half = _mm_add_epi32(_mm256_castsi256_si128(v), _mm256_extracti128_si256(v, 1));
+  const __m128i pair = _mm_add_epi32(half, _mm_shuffle_epi32(half, 0x4e));
+  return _mm_cvtsi128_si32(_mm_add_epi32(pair, _mm_shuffle_epi32(pair, 0xb1)));
+}
+
+// One row's block of 32 inputs: its 8 words of codes into words[0], words[stride], ...
+inline void quantize_block(const float* x, int32_t* words, int64_t stride, float* scale, float* sum) {
+  const __m256 sign = _mm256_set1_ps(-0.0f);
+  __m256 v[4];
+  for (int i = 0; i < 4; ++i) v[i] = _mm256_loadu_ps(x + 8 * i);
+  const __m256 top = _mm256_max_ps(_mm256_max_ps(_mm256_andnot_ps(sign, v[0]), _mm256_andnot_ps(sign, v[1])),
+                                   _mm256_max_ps(_mm256_andnot_ps(sign, v[2]), _mm256_andnot_ps(sign, v[3])));
+  const float amax = max_abs_lanes(top);
+  const __m256 inverse = _mm256_set1_ps(amax > 0 ? 127.0f / amax : 0.0f);
+  __m256i q[4];
+  for (int i = 0; i < 4; ++i) q[i] = _mm256_cvtps_epi32(_mm256_mul_ps(v[i], inverse));  // half to even
+  *scale = amax / 127.0f;
+  *sum = *scale * static_cast<float>(sum_lanes(_mm256_add_epi32(_mm256_add_epi32(q[0], q[1]), _mm256_add_epi32(q[2], q[3]))));
+  // Packing interleaves 128-bit lanes: words come out as q0[0:4] q1[0:4] q2[0:4] q3[0:4] q0[4:8] ...
+  const __m256i bytes = _mm256_permutevar8x32_epi32(
+      _mm256_packs_epi16(_mm256_packs_epi32(q[0], q[1]), _mm256_packs_epi32(q[2], q[3])),
+      _mm256_setr_epi32(0, 4, 1, 5, 2, 6, 3, 7));
+  alignas(32) int32_t out[8];
+  _mm256_store_si256(reinterpret_cast<__m256i*>(out), bytes);
+  for (int w = 0; w < 8; ++w) words[w * stride] = out[w];
+}
+
+// Rows in tiles of equal size (10 rows: 4 + 3 + 3): tile t is rows [first_row(t), first_row(t + 1)).
+struct Tiles {
+  int64_t rows, count;
+  int64_t first_row(int64_t t) const { return rows * t / count; }
+};
+
+QuantizedRows quantize_rows(const float* x, int64_t rows, int64_t K, const Tiles& tiles) {
+  QuantizedRows out{std::unique_ptr<int32_t[]>(new int32_t[rows * K / 4]),
+                    std::unique_ptr<float[]>(new float[rows * K / 32]), std::unique_ptr<float[]>(new float[rows * K / 32])};
+  for (int64_t t = 0; t < tiles.count; ++t) {
+    const int64_t r0 = tiles.first_row(t), R = tiles.first_row(t + 1) - r0;
+    int32_t* tile = out.words.get() + r0 * K / 4;
+    for (int64_t r = 0; r < R; ++r)
+      for (int64_t b = 0; b < K / 32; ++b)
+        quantize_block(x + (r0 + r) * K + 32 * b, tile + 8 * b * R + r, R, &out.scale[(r0 + r) * K / 32 + b],
+                       &out.sum[(r0 + r) * K / 32 + b]);
+  }
+  return out;
+}
+
+// Widened codes of H panels: for block b and group g, H vectors of 32 unsigned bytes (Q8_0:
+// |c| then c, so 2 H vectors). Each format's unpack fills one panel's share for block b.
+struct Q4_1 {
+  static constexpr int kVectors = 1;                // widened vectors per group and panel
+  static constexpr int64_t kBlockBytes = 4 * 32;    // a panel's codes for one block
+  static constexpr bool kHasMin = true;
+  // out[g * stride] for the block's 8 groups
+  static inline void unpack(const uint8_t* codes, __m256i* out, int stride) {
+    const __m256i low = _mm256_set1_epi8(15);
+    for (int c = 0; c < 4; ++c) {
+      const __m256i v = _mm256_loadu_si256(reinterpret_cast<const __m256i*>(codes + 32 * c));
+      _mm256_store_si256(out + c * stride, _mm256_and_si256(v, low));
+      _mm256_store_si256(out + (c + 4) * stride, _mm256_and_si256(_mm256_srli_epi16(v, 4), low));
+    }
+  }
+  // The 16 int16 pair sums of a group's products with one row's word broadcast in a.
+  static inline __m256i products(const __m256i* w, __m256i a) { return _mm256_maddubs_epi16(w[0], a); }
+};
+
+struct Q8_0 {
+  static constexpr int kVectors = 2;
+  static constexpr int64_t kBlockBytes = 8 * 32;
+  static constexpr bool kHasMin = false;
+  static inline void unpack(const uint8_t* codes, __m256i* out, int stride) {
+    for (int g = 0; g < 8; ++g) {
+      const __m256i v = _mm256_loadu_si256(reinterpret_cast<const __m256i*>(codes + 32 * g));
+      _mm256_store_si256(out + g * stride, _mm256_abs_epi8(v));  // -128 stays 0x80: 128 unsigned
+      _mm256_store_si256(out + g * stride + 1, v);
+    }
+  }
+  static inline __m256i products(const __m256i* w, __m256i a) {
+    return _mm256_maddubs_epi16(w[0], _mm256_sign_epi8(a, w[1]));
+  }
+};
+
+// y[r, 8 H p .. 8 H (p + 1)) for the R rows of a tile, from the widened codes of H panels.
+template <typename Format, int H, int R>
+inline void tile(const int32_t* words, const float* scale, const float* sum, int64_t K, const __m256i* w,
+                 const float* d, const float* m, int64_t panel_stride, float* y, int64_t N) {
+  const __m256i ones = _mm256_set1_epi16(1);
+  __m256 acc[H][R];
+  for (int h = 0; h < H; ++h)
+    for (int r = 0; r < R; ++r) acc[h][r] = _mm256_setzero_ps();
+  const int64_t blocks = K / 32;
+  for (int64_t b = 0; b < blocks; ++b) {
+    __m256i block[H][R];
+    for (int h = 0; h < H; ++h)
+      for (int r = 0; r < R; ++r) block[h][r] = _mm256_setzero_si256();
+#pragma GCC unroll 1  // unrolled, gcc reassociates each sum into a tree of 8 products and spills them
+    for (int g = 0; g < 8; ++g, words += R, w += H * Format::kVectors) {
+#pragma GCC unroll 6
+      for (int r = 0; r < R; ++r) {
+        const __m256i a = _mm256_set1_epi32(words[r]);
+#pragma GCC unroll 2
+        for (int h = 0; h < H; ++h) {
+          const __m256i p = Format::products(w + h * Format::kVectors, a);
+          if (Format::kHasMin) {  // 8 groups of pair sums of at most 2 * 15 * 127 fit int16
+            block[h][r] = _mm256_add_epi16(block[h][r], p);
+          } else {  // 2 * 128 * 127 each: to int32 at once
+            block[h][r] = _mm256_add_epi32(block[h][r], _mm256_madd_epi16(p, ones));
+          }
+        }
+      }
+    }
+#pragma GCC unroll 2
+    for (int h = 0; h < H; ++h) {
+      const __m256 vd = _mm256_loadu_ps(d + h * panel_stride + b * kPanel);
+#pragma GCC unroll 6
+      for (int r = 0; r < R; ++r) {
+        const __m256i total = Format::kHasMin ? _mm256_madd_epi16(block[h][r], ones) : block[h][r];
+        const __m256 da = _mm256_mul_ps(vd, _mm256_set1_ps(scale[r * blocks + b]));
+        acc[h][r] = _mm256_fmadd_ps(_mm256_cvtepi32_ps(total), da, acc[h][r]);
+        if (Format::kHasMin)
+          acc[h][r] = _mm256_fmadd_ps(_mm256_loadu_ps(m + h * panel_stride + b * kPanel),
+                                      _mm256_set1_ps(sum[r * blocks + b]), acc[h][r]);
+      }
+    }
+  }
+  for (int h = 0; h < H; ++h)
+    for (int r = 0; r < R; ++r) _mm256_storeu_ps(y + r * N + h * kPanel, acc[h][r]);
+}
+
+template <typename Format, int H>
+inline void tile_of(int rows, const int32_t* words, const float* scale, const float* sum, int64_t K,
+                    const __m256i* w, const float* d, const float* m, int64_t panel_stride, float* y, int64_t N) {
+  switch (rows) {
+    case 1: return tile<Format, H, 1>(words, scale, sum, K, w, d, m, panel_stride, y, N);
+    case 2: return tile<Format, H, 2>(words, scale, sum, K, w, d, m, panel_stride, y, N);
+    case 3: return tile<Format, H, 3>(words, scale, sum, K, w, d, m, panel_stride, y, N);
+    case 4: return tile<Format, H, 4>(words, scale, sum, K, w, d, m, panel_stride, y, N);
+  }
+}
+
+template <typename Format>
+torch::Tensor int8_linear(const char* name, const torch::Tensor& x, const torch::Tensor& codes,
+                          const torch::Tensor& d, const torch::Tensor* m) {
+  TORCH_CHECK(x.device().is_cpu() && x.scalar_type() == at::kFloat && x.is_contiguous() && x.dim() == 2,
+              name, " takes x as a contiguous float32 CPU tensor [rows, in_features]");
+  TORCH_CHECK(d.scalar_type() == at::kFloat && d.is_contiguous() && d.dim() == 3 && d.size(2) == kPanel,
+              name, " takes d as contiguous float32 [N / 8, K / 32, 8]");
+  const int64_t rows = x.size(0), K = x.size(1), panels = d.size(0), N = panels * kPanel, blocks = K / 32;
+  TORCH_CHECK(K % 32 == 0 && d.size(1) == blocks, name, ": x has ", K, " inputs, d covers ", d.size(1), " blocks of 32");
+  TORCH_CHECK(codes.scalar_type() == at::kByte && codes.is_contiguous() && codes.numel() == panels * blocks * Format::kBlockBytes,
+              name, ": ", codes.numel(), " code bytes do not make a [", N, ", ", K, "] weight");
+  if (m) TORCH_CHECK(m->scalar_type() == at::kFloat && m->is_contiguous() && m->sizes() == d.sizes(), name, ": m must be shaped as d");
+  auto y = torch::empty({rows, N}, x.options());
+  if (rows == 0) return y;
+  const Tiles tiles{rows, (rows + kTile - 1) / kTile};
+  const QuantizedRows q = quantize_rows(x.data_ptr<float>(), rows, K, tiles);
+  float* yp = y.data_ptr<float>();
+  const uint8_t* cp = codes.data_ptr<uint8_t>();
+  const float* dp = d.data_ptr<float>();
+  const float* mp = m ? m->data_ptr<float>() : nullptr;
+  const int64_t panel_stride = blocks * kPanel;  // floats of d (m) per panel
+  const int64_t pairs = (panels + 1) / 2;
+  at::parallel_for(0, pairs, 1, [&](int64_t begin, int64_t end) {
+    constexpr int V = Format::kVectors;
+    std::unique_ptr<__m256i[]> widened(new __m256i[blocks * 8 * 2 * V]);  // Q4_1, K = 576: 9 KB, in L1
+    for (int64_t pair = begin; pair < end; ++pair) {
+      const int64_t p = 2 * pair, H = std::min<int64_t>(2, panels - p);
+      for (int64_t b = 0; b < blocks; ++b)
+        for (int64_t h = 0; h < H; ++h)
+          Format::unpack(cp + ((p + h) * blocks + b) * Format::kBlockBytes, widened.get() + b * 8 * H * V + h * V, H * V);
+      for (int64_t t = 0; t < tiles.count; ++t) {
+        const int64_t r0 = tiles.first_row(t), R = tiles.first_row(t + 1) - r0;
+        const int32_t* words = q.words.get() + r0 * K / 4;
+        const float* scale = q.scale.get() + r0 * blocks;
+        const float* sum = q.sum.get() + r0 * blocks;
+        const float* pd = dp + p * panel_stride;
+        const float* pm = mp ? mp + p * panel_stride : nullptr;
+        float* py = yp + r0 * N + p * kPanel;
+        if (H == 2)
+          tile_of<Format, 2>(static_cast<int>(R), words, scale, sum, K, widened.get(), pd, pm, panel_stride, py, N);
+        else
+          tile_of<Format, 1>(static_cast<int>(R), words, scale, sum, K, widened.get(), pd, pm, panel_stride, py, N);
+      }
+    }
+  });
+  return y;
+}
+#else
+constexpr bool kBuiltForAvx2 = false;
+#endif
+
+}  // namespace
+
+// "" when the int8 block matmuls can run here (built with AVX2 and FMA), else why not.
+std::string int8_status() {
+  return kBuiltForAvx2 ? "" : "the kernels were built for a CPU without AVX2 and FMA";
+}
+
+#if defined(__AVX2__) && defined(__FMA__)
+torch::Tensor q4_1_linear_i8(const torch::Tensor& x, const torch::Tensor& codes, const torch::Tensor& d,
+                             const torch::Tensor& m) {
+  return int8_linear<Q4_1>("q4_1_linear_i8", x, codes, d, &m);
+}
+
+torch::Tensor q8_0_linear_i8(const torch::Tensor& x, const torch::Tensor& codes, const torch::Tensor& d) {
+  return int8_linear<Q8_0>("q8_0_linear_i8", x, codes, d, nullptr);
+}
+#else
+torch::Tensor q4_1_linear_i8(const torch::Tensor&, const torch::Tensor&, const torch::Tensor&, const torch::Tensor&) {
+  TORCH_CHECK(false, "q4_1_linear_i8 needs a build for a CPU with AVX2 and FMA");
+}
+
+torch::Tensor q8_0_linear_i8(const torch::Tensor&, const torch::Tensor&, const torch::Tensor&) {
+  TORCH_CHECK(false, "q8_0_linear_i8 needs a build for a CPU with AVX2 and FMA");
+}
+#endif

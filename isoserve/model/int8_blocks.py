@@ -1,0 +1,114 @@
+"""GGUF weights for the int8 block kernels (kernels/int8_matmul.cpp): a GGUF's Q4_1 and Q8_0
+blocks multiplied, on AVX2, by the step's activations quantized to int8 in blocks of 32.
+
+Where isoserve runs in float32 (a CPU without a native bfloat16 path, config.native_bfloat16),
+a step of many rows is bound by float32 multiply-adds; byte multiply-adds take 4 times the
+products an instruction. This is the arithmetic llama.cpp runs for these files on such CPUs: per
+row and block of 32 inputs, a = max |x| / 127 and q = round(x / a), summed exactly against the
+weight's codes, then scaled in float32 (`reference` below is that arithmetic in torch, for
+tests). Each row's result depends on that row alone, so a sequence's logits do not depend on
+the other sequences of its step. `--activations float32` turns it off (model/quantized.py).
+
+Layout (the kernel file documents it too): outputs in panels of 8; inputs in groups of 4 whose
+8 x 4 codes fill 32 bytes, [output][input]. Q4_1: a block's 8 groups in 4 chunks of 32 bytes,
+chunk c holding group c in its low nibbles and group c + 4 in its high ones: [N / 8, K / 32, 4,
+32] bytes. Q8_0: [N / 8, K / 32, 8, 32] int8. d (and m) as float32 [N / 8, K / 32, 8].
+"""
+from __future__ import annotations
+
+from dataclasses import dataclass
+
+import torch
+
+from isoserve.model.int4 import GROUP, merge
+from isoserve.model.vector_blocks import PANEL, panels, shape_fits
+
+
+def int8_unavailable(kernels) -> str:
+    """'' when the kernels' int8 block matmuls run here, else why not."""
+    return "the fused CPU kernels are not in use" if kernels is None else kernels.int8_status()
+
+
+def q4_1_group_codes(codes: torch.Tensor) -> torch.Tensor:
+    """Codes [N, K] (0..15) -> [N / 8, K / 32, 4, 32] bytes (the layout above)."""
+    n, k = codes.shape
+    c = codes.to(torch.uint8).reshape(n // PANEL, PANEL, k // GROUP, 2, 4, 4)  # panel, output, block, half, chunk, input
+    nibbles = c[:, :, :, 0] | (c[:, :, :, 1] << 4)
+    return nibbles.permute(0, 2, 3, 1, 4).contiguous().reshape(n // PANEL, k // GROUP, 4, 32)
+
+
+def q8_0_group_codes(codes: torch.Tensor) -> torch.Tensor:
+    """int8 codes [N, K] -> [N / 8, K / 32, 8, 32], seen as bytes."""
+    n, k = codes.shape
+    c = codes.to(torch.int8).reshape(n // PANEL, PANEL, k // GROUP, 8, 4)
+    return c.permute(0, 2, 3, 1, 4).contiguous().reshape(n // PANEL, k // GROUP, 8, 32).view(torch.uint8)
+
+
+def quantize_activations(x: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
+    """The kernels' int8 activations of float32 x [R, K]: codes [R, K / 32, 32] (as float32) and
+    scales [R, K / 32], in the kernels' float32 operations (127 / amax, then a multiply)."""
+    rows, k = x.shape
+    blocks = x.float().reshape(rows, k // GROUP, GROUP)
+    amax = blocks.abs().amax(-1, keepdim=True)
+    inverse = torch.where(amax > 0, 127.0 / amax, torch.zeros((), dtype=torch.float32))
+    return torch.round(blocks * inverse), (amax / 127.0).squeeze(-1)
+
+
+def reference(x: torch.Tensor, codes: torch.Tensor, d: torch.Tensor, m: torch.Tensor | None) -> torch.Tensor:
+    """x W^T in float64 for W = d * codes (+ m) by blocks of 32 ([N, K] codes, [N, K / 32] d and
+    m), from the kernels' int8 activations: what they compute, up to float32's sums of blocks."""
+    q, scale = quantize_activations(x)
+    n = codes.shape[0]
+    sums = torch.einsum("rbk,nbk->rnb", q.double(), codes.double().reshape(n, -1, GROUP))
+    y = d.double()[None] * scale.double()[:, None] * sums
+    if m is not None:
+        y = y + m.double()[None] * (scale.double() * q.double().sum(-1))[:, None]
+    return y.sum(-1)
+
+
+@dataclass
+class Int8Q4Weight:
+    codes: torch.Tensor   # q4_1_group_codes(...)
+    d: torch.Tensor       # float32 [N / 8, K / 32, 8]
+    m: torch.Tensor
+    kernels: object
+    name = "int8 x 4-bit"
+
+    @classmethod
+    def from_companions(cls, parts: list[tuple[torch.Tensor, torch.Tensor, torch.Tensor]],
+                        kernels) -> Int8Q4Weight | None:
+        """One weight from the Q4_1 (codes, d, m) of one or more projections stacked by output
+        rows (merged QKV, gate-up); None where the kernel cannot take the shape."""
+        codes, d, m = merge(parts)
+        if not shape_fits(*codes.shape):
+            return None
+        return cls(q4_1_group_codes(codes), panels(d.float()), panels(m.float()), kernels)
+
+    @property
+    def nbytes(self) -> int:
+        return sum(t.numel() * t.element_size() for t in (self.codes, self.d, self.m))
+
+    def matmul(self, x: torch.Tensor) -> torch.Tensor:
+        """x [M, K] float32 @ W^T -> [M, N] float32 (a strided x is copied once, as F.linear would)."""
+        return self.kernels.q4_1_linear_i8(x.contiguous(), self.codes, self.d, self.m)
+
+
+@dataclass
+class Int8Q8Weight:
+    codes: torch.Tensor   # q8_0_group_codes(...)
+    d: torch.Tensor       # float32 [N / 8, K / 32, 8]
+    kernels: object
+    name = "int8 x 8-bit"
+
+    @classmethod
+    def from_companions(cls, codes: torch.Tensor, d: torch.Tensor, kernels) -> Int8Q8Weight | None:
+        if not shape_fits(*codes.shape):
+            return None
+        return cls(q8_0_group_codes(codes), panels(d.float()), kernels)
+
+    @property
+    def nbytes(self) -> int:
+        return sum(t.numel() * t.element_size() for t in (self.codes, self.d))
+
+    def matmul(self, x: torch.Tensor) -> torch.Tensor:
+        return self.kernels.q8_0_linear_i8(x.contiguous(), self.codes, self.d)

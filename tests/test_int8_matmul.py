@@ -1,0 +1,200 @@
+"""The int8 block kernels (kernels/int8_matmul.cpp, model/int8_blocks.py): a GGUF's Q4_1 and
+Q8_0 blocks times the step's activations quantized to int8 by blocks of 32, llama.cpp's
+arithmetic for these files on AVX2, where isoserve runs in float32. They must compute exactly
+that arithmetic (model/int8_blocks.reference), give each row a result that does not depend on
+the step's other rows, and refuse what they cannot read."""
+from __future__ import annotations
+
+import pytest
+import torch
+import torch.nn.functional as F
+
+from isoserve.engine.llm import LLM
+from isoserve.engine.sampling_params import SamplingParams
+from isoserve.kernels import cpu_ops
+from isoserve.model import int4, q8_0
+from isoserve.model.int8_blocks import (Int8Q4Weight, Int8Q8Weight, q4_1_group_codes, q8_0_group_codes,
+                                        quantize_activations, reference)
+from isoserve.model.llama import LlamaModel
+from isoserve.model.loader import load_checkpoint
+from isoserve.model.vector_blocks import PANEL
+from tiny_models import HAS_AVX2
+
+needs_avx2 = pytest.mark.skipif(not HAS_AVX2, reason="the int8 block kernels are built for AVX2 and FMA")
+
+
+def _q4(rows: int, cols: int, seed: int):
+    """(kernel weight, codes, d, m, dense float32 weight)"""
+    g = torch.Generator().manual_seed(seed)
+    codes = torch.randint(0, 16, (rows, cols), generator=g)
+    d = (torch.rand(rows, cols // 32, generator=g) * 0.02).half()
+    m = (torch.randn(rows, cols // 32, generator=g) * 0.05).half()
+    packed = int4._pack(codes.to(torch.uint8))
+    dense = int4.dequantize({"w" + int4.CODES: packed, "w" + int4.SCALE: d, "w" + int4.MIN: m}, "w")
+    return Int8Q4Weight.from_companions([(packed, d, m)], cpu_ops()), codes, d.float(), m.float(), dense
+
+
+def _q8(rows: int, cols: int, seed: int):
+    g = torch.Generator().manual_seed(seed)
+    codes = torch.randint(-128, 128, (rows, cols), generator=g, dtype=torch.int8)
+    codes[0, :32] = -128  # the one code whose magnitude is not an int8
+    d = (torch.rand(rows, cols // 32, generator=g) * 0.02).half()
+    dense = q8_0.dequantize({"w" + q8_0.CODES: codes, "w" + q8_0.SCALE: d}, "w")
+    return Int8Q8Weight.from_companions(codes, d, cpu_ops()), codes, d.float(), None, dense
+
+
+def test_the_kernels_run_exactly_where_the_cpu_has_avx2():
+    assert (cpu_ops().int8_status() == "") == HAS_AVX2
+
+
+def test_q4_1_group_codes_put_four_inputs_of_eight_outputs_in_each_32_bytes():
+    codes = torch.randint(0, 16, (16, 64), generator=torch.Generator().manual_seed(0))
+    packed = q4_1_group_codes(codes)
+    assert packed.shape == (2, 2, 4, 32)
+    for n in range(16):
+        for k in range(64):
+            block, j = divmod(k, 32)
+            chunk, i = divmod(j % 16, 4)
+            byte = int(packed[n // PANEL, block, chunk, (n % PANEL) * 4 + i])
+            assert (byte >> 4 if j >= 16 else byte & 15) == int(codes[n, k])
+
+
+def test_q8_0_group_codes_put_four_inputs_of_eight_outputs_in_each_32_bytes():
+    codes = torch.randint(-128, 128, (16, 64), generator=torch.Generator().manual_seed(0), dtype=torch.int8)
+    packed = q8_0_group_codes(codes).view(torch.int8)
+    assert packed.shape == (2, 2, 8, 32)
+    for n in range(16):
+        for k in range(64):
+            block, j = divmod(k, 32)
+            assert packed[n // PANEL, block, j // 4, (n % PANEL) * 4 + j % 4] == codes[n, k]
+
+
+def test_activations_are_quantized_by_blocks_of_32_to_their_largest_magnitude():
+    x = torch.tensor([[0.5] * 16 + [-1.0] + [0.25] * 15 + [0.0] * 32])
+    q, scale = quantize_activations(x)
+    assert scale[0, 0] == pytest.approx(1 / 127) and scale[0, 1] == 0
+    assert q[0, 0, 16] == -127 and q[0, 0, 0] == 64 and q[0, 0, 17] == 32  # 63.5 -> 64 (half to even), 31.75 -> 32
+    assert (q[0, 1] == 0).all()
+
+
+def test_weights_whose_outputs_do_not_fill_panels_keep_the_dense_path():
+    packed = int4._pack(torch.zeros(12, 64, dtype=torch.uint8))
+    d = torch.ones(12, 2, dtype=torch.float16)
+    assert Int8Q4Weight.from_companions([(packed, d, d)], cpu_ops()) is None
+    assert Int8Q8Weight.from_companions(torch.zeros(12, 64, dtype=torch.int8), d, cpu_ops()) is None
+
+
+@needs_avx2
+@pytest.mark.parametrize("make", [_q4, _q8], ids=["q4_1", "q8_0"])
+@pytest.mark.parametrize("outputs", [96, 40])
+@pytest.mark.parametrize("rows", [1, 2, 3, 4, 5, 7, 9, 17, 32])
+def test_the_kernels_compute_llama_cpps_arithmetic(make, rows, outputs):
+    # Rows in tiles of up to 4 (9 is 3 + 3 + 3, 17 is 4 + 4 + 4 + 5... of equal size); 40
+    # outputs are 5 panels, so the last one goes alone. Against the same arithmetic in float64
+    # the error is float32's sum over the blocks: a few ulps of the sum of |terms|.
+    weight, codes, d, m, dense = make(outputs, 160, seed=rows)
+    x = torch.randn(rows, 160, generator=torch.Generator().manual_seed(100 + rows))
+    x[0, :32] = 0  # a block of zeros has scale 0
+    y = weight.matmul(x)
+    assert y.shape == (rows, outputs) and y.dtype == torch.float32
+    q, scale = quantize_activations(x)
+    terms = (x.abs().double() @ dense.abs().double().t()) + 1e-3
+    assert ((y.double() - reference(x, codes, d, m)).abs() <= 1e-6 * terms).all()
+    # And close to the float32 product: int8 activations round each input by at most half a
+    # step of its block's scale.
+    step = (scale.repeat_interleave(32, dim=1) / 2).double()
+    assert ((y.double() - F.linear(x.double(), dense.double())).abs() <= step @ dense.abs().double().t() + 1e-5).all()
+    wide = torch.randn(rows, 320, generator=torch.Generator().manual_seed(rows))
+    assert torch.equal(weight.matmul(wide[:, ::2]), weight.matmul(wide[:, ::2].contiguous()))
+
+
+@needs_avx2
+@pytest.mark.parametrize("make", [_q4, _q8], ids=["q4_1", "q8_0"])
+def test_a_rows_result_does_not_depend_on_the_other_rows_of_its_step(make):
+    # Bit for bit: the same row alone, among 4, 9 or 33 rows, first or last of its tile, and
+    # with every thread count: no sequence's logits depend on what it was batched with.
+    weight, *_ = make(96, 160, seed=3)
+    g = torch.Generator().manual_seed(7)
+    row = torch.randn(1, 160, generator=g)
+    alone = weight.matmul(row)
+    threads = torch.get_num_threads()
+    try:
+        for count in (1, 2):
+            torch.set_num_threads(count)
+            for rows in (4, 9, 33):
+                for at in (0, rows - 1):
+                    batch = torch.randn(rows, 160, generator=g)
+                    batch[at] = row[0]
+                    assert torch.equal(weight.matmul(batch)[at], alone[0])
+    finally:
+        torch.set_num_threads(threads)
+
+
+@needs_avx2
+def test_the_kernels_refuse_what_they_cannot_read():
+    weight, *_ = _q4(32, 64, seed=1)
+    ops = cpu_ops()
+    with pytest.raises(RuntimeError, match="float32"):
+        ops.q4_1_linear_i8(torch.randn(2, 64).to(torch.bfloat16), weight.codes, weight.d, weight.m)
+    with pytest.raises(RuntimeError, match="blocks of 32"):
+        ops.q4_1_linear_i8(torch.randn(2, 96), weight.codes, weight.d, weight.m)
+    with pytest.raises(RuntimeError, match="code bytes"):
+        ops.q4_1_linear_i8(torch.randn(2, 64), weight.codes[:2], weight.d, weight.m)
+    with pytest.raises(RuntimeError, match="shaped as d"):
+        ops.q4_1_linear_i8(torch.randn(2, 64), weight.codes, weight.d, weight.m[:2])
+    assert ops.q4_1_linear_i8(torch.randn(0, 64), weight.codes, weight.d, weight.m).shape == (0, 32)
+
+
+def test_float32_takes_the_int8_kernels_for_every_step_unless_told_not_to(tiny_q4_1, tiny_cache):
+    ckpt = load_checkpoint(str(tiny_q4_1), torch.float32, tiny_cache)
+
+    def model(**options):
+        return LlamaModel(ckpt.config, ckpt.weights, torch.float32, **options)
+
+    if HAS_AVX2:
+        assert dict(model().quantized_paths) == {"int8 x 4-bit for every step": 8}  # qkv, o, gate_up, down
+        assert dict(model(int8_activations=True, int4_max_rows=64).quantized_paths) == {
+            "int8 x 4-bit for steps of <= 64 tokens": 8}
+        assert dict(model(int8_activations=False).quantized_paths) == {"float32 4-bit for steps of <= 512 tokens": 8}
+    else:
+        with pytest.raises(ValueError, match="int8 activations cannot run here"):
+            model(int8_activations=True)
+    with pytest.raises(ValueError, match="int8 activations cannot run here: they are for float32 runs"):
+        LlamaModel(ckpt.config, load_checkpoint(str(tiny_q4_1), torch.bfloat16, tiny_cache).weights,
+                   torch.bfloat16, int8_activations=True)
+    with pytest.raises(ValueError, match="quantized forms are off"):
+        model(int8_activations=True, int4_max_rows=0)
+
+
+PROMPTS = ["The capital of France is", "def f(x):", "Hello", "1, 2, 3,", "Rain", "Once upon a time"]
+
+
+@needs_avx2
+def test_a_sequence_decodes_the_same_alone_and_batched_with_int8_activations(tiny_q4_1, tiny_cache):
+    # Bit for bit, tokens and logprobs: each row's matmuls depend on that row alone, so what a
+    # sequence generates cannot depend on the other tenants' sequences in its steps.
+    params = SamplingParams(max_tokens=12, temperature=0.0, ignore_eos=True, logprobs=2)
+    llm = LLM(model=str(tiny_q4_1), dtype="float32", int8_activations=True, cache_dir=str(tiny_cache))
+    together = llm.generate(PROMPTS, params)
+    for prompt, batched in zip(PROMPTS, together):
+        alone = llm.generate([prompt], params)[0]
+        assert alone.token_ids == batched.token_ids
+        assert [(a.token_id, a.logprob, a.top) for a in alone.logprobs] == \
+               [(b.token_id, b.logprob, b.top) for b in batched.logprobs]
+
+
+@needs_avx2
+def test_int8_activations_stay_close_to_float32(tiny_q4_1, tiny_cache):
+    # The first token's distribution of each prompt, with int8 activations and with float32
+    # ones: the rounding of each matmul input by at most half its block's step moves a logprob
+    # by a few hundredths on this unit-scale random model.
+    params = SamplingParams(max_tokens=1, temperature=0.0, ignore_eos=True, logprobs=5)
+    runs = {}
+    for int8 in (True, False):
+        llm = LLM(model=str(tiny_q4_1), dtype="float32", int8_activations=int8, cache_dir=str(tiny_cache))
+        runs[int8] = llm.generate(PROMPTS, params)
+    for a, b in zip(runs[True], runs[False]):
+        int8, float32 = dict(a.logprobs[0].top), dict(b.logprobs[0].top)
+        assert a.token_ids == b.token_ids  # the most likely token: 0.05 or more ahead on these prompts
+        assert all(abs(int8[t] - float32[t]) < 0.1 for t in int8.keys() & float32.keys())
+        assert len(int8.keys() & float32.keys()) >= 4
