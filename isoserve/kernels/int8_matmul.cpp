@@ -23,8 +23,9 @@
 // groups in 4 chunks of 32 bytes, chunk c holding group c in its low nibbles and group c + 4
 // in its high ones: [N / 8, K / 32, 4, 32] bytes. Q8_0: [N / 8, K / 32, 8, 32] int8.
 //
-// A pair of panels is widened once into a buffer of bytes (Q4_1: the codes; Q8_0: |c| and c,
-// for vpsignb puts c's sign on the input), then every tile of up to 6 rows runs over it.
+// Threads split the pairs of panels; a step's rows go in tiles of up to 4 (8 int16 sums, two
+// panels' weights and an input fit the 16 registers). A step of several tiles widens a pair of
+// panels once into a buffer of bytes that each tile reads; a step of one tile widens in registers.
 #include <torch/extension.h>
 #include <ATen/Parallel.h>
 
@@ -105,20 +106,16 @@ QuantizedRows quantize_rows(const float* x, int64_t rows, int64_t K, const Tiles
   return out;
 }
 
-// Widened codes of H panels: for block b and group g, H vectors of 32 unsigned bytes (Q8_0:
-// |c| then c, so 2 H vectors). Each format's unpack fills one panel's share for block b.
+// Each format widens group g (inputs 4g .. 4g + 4) of one panel's block of codes to the vectors
+// vpmaddubsw takes: Q4_1 one, its codes as unsigned bytes; Q8_0 two, |c| and c (vpsignb puts
+// c's sign on the input, so that the unsigned operand can be |c|).
 struct Q4_1 {
   static constexpr int kVectors = 1;                // widened vectors per group and panel
   static constexpr int64_t kBlockBytes = 4 * 32;    // a panel's codes for one block
   static constexpr bool kHasMin = true;
-  // out[g * stride] for the block's 8 groups
-  static inline void unpack(const uint8_t* codes, __m256i* out, int stride) {
-    const __m256i low = _mm256_set1_epi8(15);
-    for (int c = 0; c < 4; ++c) {
-      const __m256i v = _mm256_loadu_si256(reinterpret_cast<const __m256i*>(codes + 32 * c));
-      _mm256_store_si256(out + c * stride, _mm256_and_si256(v, low));
-      _mm256_store_si256(out + (c + 4) * stride, _mm256_and_si256(_mm256_srli_epi16(v, 4), low));
-    }
+  static inline void widen(const uint8_t* block, int g, __m256i* out) {
+    const __m256i v = _mm256_loadu_si256(reinterpret_cast<const __m256i*>(block + 32 * (g % 4)));
+    out[0] = _mm256_and_si256(g < 4 ? v : _mm256_srli_epi16(v, 4), _mm256_set1_epi8(15));
   }
   // The 16 int16 pair sums of a group's products with one row's word broadcast in a.
   static inline __m256i products(const __m256i* w, __m256i a) { return _mm256_maddubs_epi16(w[0], a); }
@@ -128,22 +125,42 @@ struct Q8_0 {
   static constexpr int kVectors = 2;
   static constexpr int64_t kBlockBytes = 8 * 32;
   static constexpr bool kHasMin = false;
-  static inline void unpack(const uint8_t* codes, __m256i* out, int stride) {
-    for (int g = 0; g < 8; ++g) {
-      const __m256i v = _mm256_loadu_si256(reinterpret_cast<const __m256i*>(codes + 32 * g));
-      _mm256_store_si256(out + g * stride, _mm256_abs_epi8(v));  // -128 stays 0x80: 128 unsigned
-      _mm256_store_si256(out + g * stride + 1, v);
-    }
+  static inline void widen(const uint8_t* block, int g, __m256i* out) {
+    const __m256i v = _mm256_loadu_si256(reinterpret_cast<const __m256i*>(block + 32 * g));
+    out[0] = _mm256_abs_epi8(v);  // -128 stays 0x80: 128 unsigned
+    out[1] = v;
   }
   static inline __m256i products(const __m256i* w, __m256i a) {
     return _mm256_maddubs_epi16(w[0], _mm256_sign_epi8(a, w[1]));
   }
 };
 
-// y[r, 8 H p .. 8 H (p + 1)) for the R rows of a tile, from the widened codes of H panels.
-template <typename Format, int H, int R>
-inline void tile(const int32_t* words, const float* scale, const float* sum, int64_t K, const __m256i* w,
-                 const float* d, const float* m, int64_t panel_stride, float* y, int64_t N) {
+// Where a tile's weights come from. A step of one tile widens each group in registers as it
+// goes (Direct); one of several tiles widens a pair of panels once into a buffer that every
+// tile reads ([block][group][panel][vector]), which one tile would only write and read back
+// (a 1-row decode step was 10% slower so). The sums are the same either way.
+template <typename Format, int H, bool Direct>
+struct Weights {
+  const uint8_t* codes;      // Direct: panel h's codes at codes + h * panel_bytes
+  int64_t panel_bytes;
+  const __m256i* widened;    // else
+  inline void group(int64_t b, int g, __m256i (&w)[H][Format::kVectors]) const {
+    for (int h = 0; h < H; ++h) {
+      if (Direct) {
+        Format::widen(codes + h * panel_bytes + b * Format::kBlockBytes, g, w[h]);
+      } else {
+        for (int v = 0; v < Format::kVectors; ++v)
+          w[h][v] = _mm256_load_si256(widened + ((b * 8 + g) * H + h) * Format::kVectors + v);
+      }
+    }
+  }
+};
+
+// y[r, 8 H p .. 8 H (p + 1)) for the R rows of a tile and H panels.
+template <typename Format, int H, int R, bool Direct>
+inline void tile(const int32_t* words, const float* scale, const float* sum, int64_t K,
+                 const Weights<Format, H, Direct>& weights, const float* d, const float* m, int64_t panel_stride,
+                 float* y, int64_t N) {
   const __m256i ones = _mm256_set1_epi16(1);
   __m256 acc[H][R];
   for (int h = 0; h < H; ++h)
@@ -154,18 +171,19 @@ inline void tile(const int32_t* words, const float* scale, const float* sum, int
     for (int h = 0; h < H; ++h)
       for (int r = 0; r < R; ++r) block[h][r] = _mm256_setzero_si256();
 #pragma GCC unroll 1  // unrolled, gcc reassociates each sum into a tree of 8 products and spills them
-    for (int g = 0; g < 8; ++g, words += R, w += H * Format::kVectors) {
+    for (int g = 0; g < 8; ++g, words += R) {
+      __m256i w[H][Format::kVectors];
+      weights.group(b, g, w);
 #pragma GCC unroll 6
       for (int r = 0; r < R; ++r) {
         const __m256i a = _mm256_set1_epi32(words[r]);
 #pragma GCC unroll 2
         for (int h = 0; h < H; ++h) {
-          const __m256i p = Format::products(w + h * Format::kVectors, a);
-          if (Format::kHasMin) {  // 8 groups of pair sums of at most 2 * 15 * 127 fit int16
+          const __m256i p = Format::products(w[h], a);
+          if (Format::kHasMin)  // 8 groups of pair sums of at most 2 * 15 * 127 fit int16
             block[h][r] = _mm256_add_epi16(block[h][r], p);
-          } else {  // 2 * 128 * 127 each: to int32 at once
+          else  // 2 * 128 * 127 each: to int32 at once
             block[h][r] = _mm256_add_epi32(block[h][r], _mm256_madd_epi16(p, ones));
-          }
         }
       }
     }
@@ -187,14 +205,51 @@ inline void tile(const int32_t* words, const float* scale, const float* sum, int
     for (int r = 0; r < R; ++r) _mm256_storeu_ps(y + r * N + h * kPanel, acc[h][r]);
 }
 
-template <typename Format, int H>
+template <typename Format, int H, bool Direct>
 inline void tile_of(int rows, const int32_t* words, const float* scale, const float* sum, int64_t K,
-                    const __m256i* w, const float* d, const float* m, int64_t panel_stride, float* y, int64_t N) {
+                    const Weights<Format, H, Direct>& w, const float* d, const float* m, int64_t panel_stride,
+                    float* y, int64_t N) {
   switch (rows) {
-    case 1: return tile<Format, H, 1>(words, scale, sum, K, w, d, m, panel_stride, y, N);
-    case 2: return tile<Format, H, 2>(words, scale, sum, K, w, d, m, panel_stride, y, N);
-    case 3: return tile<Format, H, 3>(words, scale, sum, K, w, d, m, panel_stride, y, N);
-    case 4: return tile<Format, H, 4>(words, scale, sum, K, w, d, m, panel_stride, y, N);
+    case 1: return tile<Format, H, 1, Direct>(words, scale, sum, K, w, d, m, panel_stride, y, N);
+    case 2: return tile<Format, H, 2, Direct>(words, scale, sum, K, w, d, m, panel_stride, y, N);
+    case 3: return tile<Format, H, 3, Direct>(words, scale, sum, K, w, d, m, panel_stride, y, N);
+    case 4: return tile<Format, H, 4, Direct>(words, scale, sum, K, w, d, m, panel_stride, y, N);
+  }
+}
+
+// The H (1 or 2) panels from p for every tile of the step.
+template <typename Format, int H>
+inline void panels_for_all_tiles(int64_t p, const QuantizedRows& q, const Tiles& tiles, int64_t K, const uint8_t* cp,
+                                 const float* dp, const float* mp, float* yp, int64_t N, __m256i* buffer) {
+  const int64_t blocks = K / 32, panel_stride = blocks * kPanel, panel_bytes = blocks * Format::kBlockBytes;
+  const uint8_t* codes = cp + p * panel_bytes;
+  const bool direct = tiles.count == 1;
+  if (!direct) {
+    const Weights<Format, H, true> source{codes, panel_bytes, nullptr};
+    __m256i w[H][Format::kVectors];
+    for (int64_t b = 0; b < blocks; ++b)
+      for (int g = 0; g < 8; ++g) {
+        source.group(b, g, w);
+        for (int h = 0; h < H; ++h)
+          for (int v = 0; v < Format::kVectors; ++v)
+            _mm256_store_si256(buffer + ((b * 8 + g) * H + h) * Format::kVectors + v, w[h][v]);
+      }
+  }
+  for (int64_t t = 0; t < tiles.count; ++t) {
+    const int64_t r0 = tiles.first_row(t);
+    const int rows = static_cast<int>(tiles.first_row(t + 1) - r0);
+    const int32_t* words = q.words.get() + r0 * K / 4;
+    const float* scale = q.scale.get() + r0 * blocks;
+    const float* sum = q.sum.get() + r0 * blocks;
+    const float* pd = dp + p * panel_stride;
+    const float* pm = mp ? mp + p * panel_stride : nullptr;
+    float* py = yp + r0 * N + p * kPanel;
+    if (direct)
+      tile_of<Format, H, true>(rows, words, scale, sum, K, Weights<Format, H, true>{codes, panel_bytes, nullptr},
+                               pd, pm, panel_stride, py, N);
+    else
+      tile_of<Format, H, false>(rows, words, scale, sum, K, Weights<Format, H, false>{nullptr, 0, buffer},
+                                pd, pm, panel_stride, py, N);
   }
 }
 
@@ -218,29 +273,15 @@ torch::Tensor int8_linear(const char* name, const torch::Tensor& x, const torch:
   const uint8_t* cp = codes.data_ptr<uint8_t>();
   const float* dp = d.data_ptr<float>();
   const float* mp = m ? m->data_ptr<float>() : nullptr;
-  const int64_t panel_stride = blocks * kPanel;  // floats of d (m) per panel
   const int64_t pairs = (panels + 1) / 2;
   at::parallel_for(0, pairs, 1, [&](int64_t begin, int64_t end) {
-    constexpr int V = Format::kVectors;
-    std::unique_ptr<__m256i[]> widened(new __m256i[blocks * 8 * 2 * V]);  // Q4_1, K = 576: 9 KB, in L1
+    // Q4_1, K = 576: 9 KB, in L1; allocated only where the step has several tiles
+    std::unique_ptr<__m256i[]> buffer(tiles.count > 1 ? new __m256i[blocks * 8 * 2 * Format::kVectors] : nullptr);
     for (int64_t pair = begin; pair < end; ++pair) {
-      const int64_t p = 2 * pair, H = std::min<int64_t>(2, panels - p);
-      for (int64_t b = 0; b < blocks; ++b)
-        for (int64_t h = 0; h < H; ++h)
-          Format::unpack(cp + ((p + h) * blocks + b) * Format::kBlockBytes, widened.get() + b * 8 * H * V + h * V, H * V);
-      for (int64_t t = 0; t < tiles.count; ++t) {
-        const int64_t r0 = tiles.first_row(t), R = tiles.first_row(t + 1) - r0;
-        const int32_t* words = q.words.get() + r0 * K / 4;
-        const float* scale = q.scale.get() + r0 * blocks;
-        const float* sum = q.sum.get() + r0 * blocks;
-        const float* pd = dp + p * panel_stride;
-        const float* pm = mp ? mp + p * panel_stride : nullptr;
-        float* py = yp + r0 * N + p * kPanel;
-        if (H == 2)
-          tile_of<Format, 2>(static_cast<int>(R), words, scale, sum, K, widened.get(), pd, pm, panel_stride, py, N);
-        else
-          tile_of<Format, 1>(static_cast<int>(R), words, scale, sum, K, widened.get(), pd, pm, panel_stride, py, N);
-      }
+      if (2 * pair + 1 < panels)
+        panels_for_all_tiles<Format, 2>(2 * pair, q, tiles, K, cp, dp, mp, yp, N, buffer.get());
+      else  // an odd panel count's last panel
+        panels_for_all_tiles<Format, 1>(2 * pair, q, tiles, K, cp, dp, mp, yp, N, buffer.get());
     }
   });
   return y;
