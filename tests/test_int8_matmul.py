@@ -131,6 +131,20 @@ def test_a_rows_result_does_not_depend_on_the_other_rows_of_its_step(make):
 
 
 @needs_avx2
+@pytest.mark.parametrize("make", [_q4, _q8], ids=["q4_1", "q8_0"])
+def test_a_nan_input_makes_its_row_nan_and_no_other(make):
+    # As float32's matmul would: a model whose activations blew up must not sample from
+    # outputs that look finite, and other rows of the step must not notice.
+    weight, *_ = make(96, 160, seed=5)
+    x = torch.randn(6, 160, generator=torch.Generator().manual_seed(5))
+    clean = weight.matmul(x)
+    x[2, 40] = float("nan")
+    y = weight.matmul(x)
+    assert y[2].isnan().all()
+    assert torch.equal(torch.cat([y[:2], y[3:]]), torch.cat([clean[:2], clean[3:]]))
+
+
+@needs_avx2
 def test_the_kernels_refuse_what_they_cannot_read():
     weight, *_ = _q4(32, 64, seed=1)
     ops = cpu_ops()

@@ -58,6 +58,12 @@ inline float max_abs_lanes(__m256 v) {
   return _mm_cvtss_f32(_mm_max_ss(pair, _mm_movehdup_ps(pair)));
 }
 
+inline float sum_lanes8(__m256 v) {
+  const __m128 half = _mm_add_ps(_mm256_castps256_ps128(v), _mm256_extractf128_ps(v, 1));
+  const __m128 pair = _mm_add_ps(half, _mm_movehl_ps(half, half));
+  return _mm_cvtss_f32(_mm_add_ss(pair, _mm_movehdup_ps(pair)));
+}
+
 inline int32_t sum_lanes(__m256i v) {
   const __m128i half = _mm_add_epi32(_mm256_castsi256_si128(v), _mm256_extracti128_si256(v, 1));
   const __m128i pair = _mm_add_epi32(half, _mm_shuffle_epi32(half, 0x4e));
@@ -71,7 +77,10 @@ inline void quantize_block(const float* x, int32_t* words, int64_t stride, float
   for (int i = 0; i < 4; ++i) v[i] = _mm256_loadu_ps(x + 8 * i);
   const __m256 top = _mm256_max_ps(_mm256_max_ps(_mm256_andnot_ps(sign, v[0]), _mm256_andnot_ps(sign, v[1])),
                                    _mm256_max_ps(_mm256_andnot_ps(sign, v[2]), _mm256_andnot_ps(sign, v[3])));
-  const float amax = max_abs_lanes(top);
+  // A NaN input makes the block's scale NaN, so that its row's outputs are NaN as float32's
+  // would be (vmaxps drops a NaN operand: amax alone would quantize around it).
+  const float total = sum_lanes8(_mm256_add_ps(_mm256_add_ps(v[0], v[1]), _mm256_add_ps(v[2], v[3])));
+  const float amax = std::isnan(total) ? total : max_abs_lanes(top);
   const __m256 inverse = _mm256_set1_ps(amax > 0 ? 127.0f / amax : 0.0f);
   __m256i q[4];
   for (int i = 0; i < 4; ++i) q[i] = _mm256_cvtps_epi32(_mm256_mul_ps(v[i], inverse));  // half to even
@@ -95,7 +104,10 @@ struct Tiles {
 QuantizedRows quantize_rows(const float* x, int64_t rows, int64_t K, const Tiles& tiles) {
   QuantizedRows out{std::unique_ptr<int32_t[]>(new int32_t[rows * K / 4]),
                     std::unique_ptr<float[]>(new float[rows * K / 32]), std::unique_ptr<float[]>(new float[rows * K / 32])};
-  for (int64_t t = 0; t < tiles.count; ++t) {
+  // Threads for prefill-sized steps only (a 2,048-row down projection quantizes 3 M inputs);
+  // a decode step's few tiles are not worth waking them.
+  at::parallel_for(0, tiles.count, 64, [&](int64_t begin, int64_t end) {
+  for (int64_t t = begin; t < end; ++t) {
     const int64_t r0 = tiles.first_row(t), R = tiles.first_row(t + 1) - r0;
     int32_t* tile = out.words.get() + r0 * K / 4;
     for (int64_t r = 0; r < R; ++r)
@@ -103,6 +115,7 @@ QuantizedRows quantize_rows(const float* x, int64_t rows, int64_t K, const Tiles
         quantize_block(x + (r0 + r) * K + 32 * b, tile + 8 * b * R + r, R, &out.scale[(r0 + r) * K / 32 + b],
                        &out.sum[(r0 + r) * K / 32 + b]);
   }
+  });
   return out;
 }
 
