@@ -5,6 +5,27 @@
 // batch-32 decode attention took 28 ms on an AMD Zen 3 (docs/benchmarks.md).
 #pragma once
 
+#if defined(__AVX2__) && defined(__FMA__)
+#include <immintrin.h>
+
+namespace isoserve {
+
+// Lane reductions, for every AVX2 build (int8_matmul.cpp runs on AVX-512 machines too).
+inline float sum_lanes8(__m256 v) {
+  const __m128 half = _mm_add_ps(_mm256_castps256_ps128(v), _mm256_extractf128_ps(v, 1));
+  const __m128 pair = _mm_add_ps(half, _mm_movehl_ps(half, half));
+  return _mm_cvtss_f32(_mm_add_ss(pair, _mm_movehdup_ps(pair)));
+}
+
+inline float max_lanes8(__m256 v) {
+  const __m128 half = _mm_max_ps(_mm256_castps256_ps128(v), _mm256_extractf128_ps(v, 1));
+  const __m128 pair = _mm_max_ps(half, _mm_movehl_ps(half, half));
+  return _mm_cvtss_f32(_mm_max_ss(pair, _mm_movehdup_ps(pair)));
+}
+
+}  // namespace isoserve
+#endif
+
 #if defined(__AVX2__) && defined(__FMA__) && !defined(__AVX512F__)
 #define ISOSERVE_F32X8 1
 
@@ -42,18 +63,6 @@ inline __m256 sum_each8(const __m256* v) {
   const __m256 s4567 = _mm256_hadd_ps(_mm256_hadd_ps(v[4], v[5]), _mm256_hadd_ps(v[6], v[7]));
   // s0123's low half holds lanes 0-3 of v[0..3] summed, its high half lanes 4-7; s4567 the same.
   return _mm256_add_ps(_mm256_permute2f128_ps(s0123, s4567, 0x20), _mm256_permute2f128_ps(s0123, s4567, 0x31));
-}
-
-inline float sum_lanes8(__m256 v) {
-  const __m128 half = _mm_add_ps(_mm256_castps256_ps128(v), _mm256_extractf128_ps(v, 1));
-  const __m128 pair = _mm_add_ps(half, _mm_movehl_ps(half, half));
-  return _mm_cvtss_f32(_mm_add_ss(pair, _mm_movehdup_ps(pair)));
-}
-
-inline float max_lanes8(__m256 v) {
-  const __m128 half = _mm_max_ps(_mm256_castps256_ps128(v), _mm256_extractf128_ps(v, 1));
-  const __m128 pair = _mm_max_ps(half, _mm_movehl_ps(half, half));
-  return _mm_cvtss_f32(_mm_max_ss(pair, _mm_movehdup_ps(pair)));
 }
 
 }  // namespace isoserve

@@ -31,6 +31,8 @@
 
 #include <immintrin.h>
 
+#include "f32x8.h"
+
 #include <algorithm>
 #include <cmath>
 #include <memory>
@@ -52,18 +54,6 @@ struct QuantizedRows {
   std::unique_ptr<float[]> scale, sum;
 };
 
-inline float max_abs_lanes(__m256 v) {
-  const __m128 half = _mm_max_ps(_mm256_castps256_ps128(v), _mm256_extractf128_ps(v, 1));
-  const __m128 pair = _mm_max_ps(half, _mm_movehl_ps(half, half));
-  return _mm_cvtss_f32(_mm_max_ss(pair, _mm_movehdup_ps(pair)));
-}
-
-inline float sum_lanes8(__m256 v) {
-  const __m128 half = _mm_add_ps(_mm256_castps256_ps128(v), _mm256_extractf128_ps(v, 1));
-  const __m128 pair = _mm_add_ps(half, _mm_movehl_ps(half, half));
-  return _mm_cvtss_f32(_mm_add_ss(pair, _mm_movehdup_ps(pair)));
-}
-
 inline int32_t sum_lanes(__m256i v) {
   const __m128i half = _mm_add_epi32(_mm256_castsi256_si128(v), _mm256_extracti128_si256(v, 1));
   const __m128i pair = _mm_add_epi32(half, _mm_shuffle_epi32(half, 0x4e));
@@ -79,8 +69,8 @@ inline void quantize_block(const float* x, int32_t* words, int64_t stride, float
                                    _mm256_max_ps(_mm256_andnot_ps(sign, v[2]), _mm256_andnot_ps(sign, v[3])));
   // A NaN input makes the block's scale NaN, so that its row's outputs are NaN as float32's
   // would be (vmaxps drops a NaN operand: amax alone would quantize around it).
-  const float total = sum_lanes8(_mm256_add_ps(_mm256_add_ps(v[0], v[1]), _mm256_add_ps(v[2], v[3])));
-  const float amax = std::isnan(total) ? total : max_abs_lanes(top);
+  const float total = isoserve::sum_lanes8(_mm256_add_ps(_mm256_add_ps(v[0], v[1]), _mm256_add_ps(v[2], v[3])));
+  const float amax = std::isnan(total) ? total : isoserve::max_lanes8(top);
   const __m256 inverse = _mm256_set1_ps(amax > 0 ? 127.0f / amax : 0.0f);
   __m256i q[4];
   for (int i = 0; i < 4; ++i) q[i] = _mm256_cvtps_epi32(_mm256_mul_ps(v[i], inverse));  // half to even
