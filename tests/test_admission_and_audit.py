@@ -381,6 +381,11 @@ def test_serve_passes_prefill_max_num_seqs_to_prefill_workers_only():
     assert "--no-fused-kernels" in prefill and "--no-fused-kernels" in decode
     default = parse("--max-num-seqs", "48")
     assert flag(_worker_command(default, "prefill", 0, "ipc:///r", "ipc:///kv", 1), "--max-num-seqs") == "48"
+    # int8 activations: each worker takes its own default unless told, and parses what it is told.
+    for argv, want in [((), None), (("--int8-activations",), True), (("--no-int8-activations",), False)]:
+        for role in ("prefill", "decode"):
+            cmd = _worker_command(parse(*argv), role, 0, "ipc:///r", "ipc:///kv", 1)
+            assert build_parser().parse_args(cmd[cmd.index("worker"):]).int8_activations is want
     # A prefill worker's step budget and burst gather (disagg/bursts.py): its own flags, parsed
     # back by the worker's command line; decode keeps --max-batched-tokens and gathers nothing.
     for argv, want in [((), ("4096", "20.0")), (("--max-batched-tokens", "8192"), ("8192", "20.0")),
