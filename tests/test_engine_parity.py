@@ -109,7 +109,8 @@ def _tokens_in_common(run, tokens: list[int]) -> int:
     return next((i for i, (a, b) in enumerate(zip(run.token_ids, tokens)) if a != b), len(tokens))
 
 
-@pytest.mark.skipif(not HAS_AVX2, reason="the int8 block kernels are built for AVX2 and FMA")
+@pytest.mark.skipif(not HAS_AVX2, reason="int8 activations run only on CPUs with AVX2 and FMA, which this one lacks: "
+                       "float32 never takes that path here")
 def test_int8_activations_are_as_faithful_as_bfloat16(reference, prompt_ids, isoserve_cache):
     # float32's default on AVX2 rounds each matmul input to int8 by blocks of 32 (llama.cpp's
     # arithmetic for this file); bfloat16, the default where the CPU computes in it, rounds each

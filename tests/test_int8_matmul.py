@@ -20,7 +20,8 @@ from isoserve.model.loader import load_checkpoint
 from isoserve.model.vector_blocks import PANEL
 from tiny_models import HAS_AVX2
 
-needs_avx2 = pytest.mark.skipif(not HAS_AVX2, reason="the int8 block kernels are built for AVX2 and FMA")
+needs_avx2 = pytest.mark.skipif(not HAS_AVX2, reason="int8 activations run only on CPUs with AVX2 and FMA, which this one lacks: "
+                       "float32 never takes that path here")
 
 
 def _q4(rows: int, cols: int, seed: int):

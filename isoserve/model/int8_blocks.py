@@ -16,12 +16,10 @@ chunk c holding group c in its low nibbles and group c + 4 in its high ones: [N 
 """
 from __future__ import annotations
 
-from dataclasses import dataclass
-
 import torch
 
-from isoserve.model.int4 import GROUP, merge
-from isoserve.model.vector_blocks import PANEL, panels, shape_fits
+from isoserve.model.int4 import GROUP
+from isoserve.model.vector_blocks import PANEL, VectorQ4Weight, VectorQ8Weight
 
 
 def int8_unavailable(kernels) -> str:
@@ -66,49 +64,14 @@ def reference(x: torch.Tensor, codes: torch.Tensor, d: torch.Tensor, m: torch.Te
     return y.sum(-1)
 
 
-@dataclass
-class Int8Q4Weight:
-    codes: torch.Tensor   # q4_1_group_codes(...)
-    d: torch.Tensor       # float32 [N / 8, K / 32, 8]
-    m: torch.Tensor
-    kernels: object
+class Int8Q4Weight(VectorQ4Weight):
+    """A Q4_1 weight for q4_1_linear_i8: the codes in groups, d and m as the float32 kernel's."""
     name = "int8 x 4-bit"
-
-    @classmethod
-    def from_companions(cls, parts: list[tuple[torch.Tensor, torch.Tensor, torch.Tensor]],
-                        kernels) -> Int8Q4Weight | None:
-        """One weight from the Q4_1 (codes, d, m) of one or more projections stacked by output
-        rows (merged QKV, gate-up); None where the kernel cannot take the shape."""
-        codes, d, m = merge(parts)
-        if not shape_fits(*codes.shape):
-            return None
-        return cls(q4_1_group_codes(codes), panels(d.float()), panels(m.float()), kernels)
-
-    @property
-    def nbytes(self) -> int:
-        return sum(t.numel() * t.element_size() for t in (self.codes, self.d, self.m))
-
-    def matmul(self, x: torch.Tensor) -> torch.Tensor:
-        """x [M, K] float32 @ W^T -> [M, N] float32 (a strided x is copied once, as F.linear would)."""
-        return self.kernels.q4_1_linear_i8(x.contiguous(), self.codes, self.d, self.m)
+    layout = staticmethod(q4_1_group_codes)
+    kernel = "q4_1_linear_i8"
 
 
-@dataclass
-class Int8Q8Weight:
-    codes: torch.Tensor   # q8_0_group_codes(...)
-    d: torch.Tensor       # float32 [N / 8, K / 32, 8]
-    kernels: object
+class Int8Q8Weight(VectorQ8Weight):
     name = "int8 x 8-bit"
-
-    @classmethod
-    def from_companions(cls, codes: torch.Tensor, d: torch.Tensor, kernels) -> Int8Q8Weight | None:
-        if not shape_fits(*codes.shape):
-            return None
-        return cls(q8_0_group_codes(codes), panels(d.float()), kernels)
-
-    @property
-    def nbytes(self) -> int:
-        return sum(t.numel() * t.element_size() for t in (self.codes, self.d))
-
-    def matmul(self, x: torch.Tensor) -> torch.Tensor:
-        return self.kernels.q8_0_linear_i8(x.contiguous(), self.codes, self.d)
+    layout = staticmethod(q8_0_group_codes)
+    kernel = "q8_0_linear_i8"

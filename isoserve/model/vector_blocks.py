@@ -43,6 +43,11 @@ def q4_1_panel_codes(codes: torch.Tensor) -> torch.Tensor:
     return panels(c[:, 0::2] | (c[:, 1::2] << 4))
 
 
+def q8_0_panel_codes(codes: torch.Tensor) -> torch.Tensor:
+    """int8 codes [N, K] -> [N / 8, K, 8], seen as bytes."""
+    return panels(codes.to(torch.int8)).view(torch.uint8)
+
+
 def shape_fits(rows: int, cols: int) -> bool:
     # Outputs that do not fill panels of 8 keep the dense weight: hidden sizes and the
     # vocabularies of the Llama-family models here (32000, 49152, 128256, 151936) all do.
@@ -51,11 +56,15 @@ def shape_fits(rows: int, cols: int) -> bool:
 
 @dataclass
 class VectorQ4Weight:
-    codes: torch.Tensor   # q4_1_panel_codes(...)
+    """A Q4_1 weight in a block kernel's layout. model/int8_blocks.py's kernels take the same
+    d and m in another code layout, so they subclass this with their own layout and kernel."""
+    codes: torch.Tensor   # layout(...)
     d: torch.Tensor       # float32 [N / 8, K / 32, 8]
     m: torch.Tensor
     kernels: object
     name = "float32 4-bit"
+    layout = staticmethod(q4_1_panel_codes)
+    kernel = "q4_1_linear_f32"
 
     @classmethod
     def from_companions(cls, parts: list[tuple[torch.Tensor, torch.Tensor, torch.Tensor]],
@@ -65,7 +74,7 @@ class VectorQ4Weight:
         codes, d, m = merge(parts)
         if not shape_fits(*codes.shape):
             return None
-        return cls(q4_1_panel_codes(codes), panels(d.float()), panels(m.float()), kernels)
+        return cls(cls.layout(codes), panels(d.float()), panels(m.float()), kernels)
 
     @property
     def nbytes(self) -> int:
@@ -73,25 +82,28 @@ class VectorQ4Weight:
 
     def matmul(self, x: torch.Tensor) -> torch.Tensor:
         """x [M, K] float32 @ W^T -> [M, N] (a strided x is copied once, as F.linear would)."""
-        return self.kernels.q4_1_linear_f32(x.contiguous(), self.codes, self.d, self.m)
+        return getattr(self.kernels, self.kernel)(x.contiguous(), self.codes, self.d, self.m)
 
 
 @dataclass
 class VectorQ8Weight:
-    codes: torch.Tensor   # int8 [N / 8, K, 8] seen as bytes
+    """A Q8_0 weight in a block kernel's layout (subclassed as VectorQ4Weight is)."""
+    codes: torch.Tensor   # layout(...)
     d: torch.Tensor       # float32 [N / 8, K / 32, 8]
     kernels: object
     name = "float32 8-bit"
+    layout = staticmethod(q8_0_panel_codes)
+    kernel = "q8_0_linear_f32"
 
     @classmethod
     def from_companions(cls, codes: torch.Tensor, d: torch.Tensor, kernels) -> VectorQ8Weight | None:
         if not shape_fits(*codes.shape):
             return None
-        return cls(panels(codes.to(torch.int8)).view(torch.uint8), panels(d.float()), kernels)
+        return cls(cls.layout(codes), panels(d.float()), kernels)
 
     @property
     def nbytes(self) -> int:
         return sum(t.numel() * t.element_size() for t in (self.codes, self.d))
 
     def matmul(self, x: torch.Tensor) -> torch.Tensor:
-        return self.kernels.q8_0_linear_f32(x.contiguous(), self.codes, self.d)
+        return getattr(self.kernels, self.kernel)(x.contiguous(), self.codes, self.d)
