@@ -1,11 +1,17 @@
-"""Engine configuration and the pool capacity arithmetic."""
+"""Engine configuration and the pool capacity arithmetic.
+
+torch is imported only where a dtype is decided: the CLI imports this module, and its commands
+that run no model (tenants, probe, bench against a URL) then start without torch's ~2 s import.
+"""
 from __future__ import annotations
 
 import os
 from dataclasses import dataclass, field
 from pathlib import Path
+from typing import TYPE_CHECKING
 
-import torch
+if TYPE_CHECKING:
+    import torch
 
 
 def default_cache_dir() -> Path:
@@ -15,9 +21,9 @@ def default_cache_dir() -> Path:
 
 GUARD_NAMES = ("admission", "capacity_audit", "writer_tags", "transfer_coverage", "transfer_checksum")
 
-DTYPES = {"bfloat16": torch.bfloat16, "bf16": torch.bfloat16,
-          "float32": torch.float32, "fp32": torch.float32,
-          "float16": torch.float16, "fp16": torch.float16}
+# Accepted names -> torch's names for them.
+DTYPES = {"bfloat16": "bfloat16", "bf16": "bfloat16", "float32": "float32", "fp32": "float32",
+          "float16": "float16", "fp16": "float16"}
 DTYPE_CHOICES = ("auto", "bfloat16", "float32", "float16")  # the --dtype flags' choices
 
 
@@ -25,6 +31,8 @@ def native_bfloat16(device: str = "cpu") -> bool:
     """Whether bfloat16 matmuls run natively here. On CPU that is oneDNN's own test (AVX-512
     BW/VL/DQ, or AVX-NE-CONVERT): without it oneDNN refuses to prepack a bfloat16 weight, and
     torch's fallback widens every weight to float32 on every call, slower than float32 itself."""
+    import torch
+
     if torch.device(device).type == "cuda":
         return torch.cuda.is_available() and torch.cuda.is_bf16_supported()
     return torch.backends.mkldnn.is_available() and torch.ops.mkldnn._is_mkldnn_bf16_supported()
@@ -32,12 +40,14 @@ def native_bfloat16(device: str = "cpu") -> bool:
 
 def parse_dtype(name: str | torch.dtype, device: str = "cpu") -> torch.dtype:
     """A dtype by name; "auto" is bfloat16 where the device runs it natively, else float32."""
+    import torch
+
     if isinstance(name, torch.dtype):
         return name
     if name == "auto":
         return torch.bfloat16 if native_bfloat16(device) else torch.float32
     try:
-        return DTYPES[name]
+        return getattr(torch, DTYPES[name])
     except KeyError:
         raise ValueError(f"unknown dtype {name!r}; use one of {', '.join(DTYPE_CHOICES)}") from None
 

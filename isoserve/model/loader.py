@@ -14,10 +14,10 @@ import tempfile
 import time
 from dataclasses import asdict, dataclass
 from pathlib import Path
+from typing import TYPE_CHECKING
 
 import torch
 from safetensors.torch import load_file, save_file
-from transformers import PreTrainedTokenizerFast
 
 from isoserve.config import default_cache_dir, dtype_name
 from isoserve.model import int4, q8_0
@@ -26,6 +26,9 @@ from isoserve.model.gguf_loader import read_gguf
 from isoserve.model.hf_loader import read_hf_checkpoint
 from isoserve.model.registry import ModelSource, resolve_model
 from isoserve.model.tokenizer import load_tokenizer
+
+if TYPE_CHECKING:
+    from transformers import PreTrainedTokenizerFast
 
 log = logging.getLogger("isoserve.model")
 
@@ -65,6 +68,14 @@ def load_checkpoint(model: str, dtype: torch.dtype, cache_dir: Path | None = Non
     log.info("loaded model=%s source=%s dtype=%s cache=%s seconds=%.2f", source.name, source.path,
              dtype_name(dtype), cache_state, time.perf_counter() - start)
     return Checkpoint(source.name, source, config, weights, tokenizer, from_cache)
+
+
+def conversion_needed(model: str, dtype: torch.dtype, cache_dir: Path | None = None) -> bool:
+    """Whether load_checkpoint would convert `model` (a GGUF with no cache entry in `dtype`
+    yet). `serve` then loads it once itself before it starts its workers, so that they read the
+    cache instead of each converting the file at once. An unknown model raises ValueError."""
+    source = resolve_model(model)
+    return source.kind == "gguf" and not (Path(cache_dir or default_cache_dir()) / _cache_key(source.path, dtype)).is_dir()
 
 
 def _cache_key(gguf: Path, dtype: torch.dtype) -> str:

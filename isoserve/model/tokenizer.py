@@ -2,10 +2,12 @@
 from __future__ import annotations
 
 from pathlib import Path
-
-from transformers import AutoTokenizer, PreTrainedTokenizerFast
+from typing import TYPE_CHECKING
 
 from isoserve.model.registry import ModelSource
+
+if TYPE_CHECKING:
+    from transformers import PreTrainedTokenizerFast
 
 
 def load_tokenizer(source: ModelSource, cache_dir: Path | None = None) -> PreTrainedTokenizerFast:
@@ -15,6 +17,10 @@ def load_tokenizer(source: ModelSource, cache_dir: Path | None = None) -> PreTra
     Building one from a GGUF re-reads the whole file and converts its vocabulary (seconds);
     a saved tokenizer.json loads in a fraction of that.
     """
+    # Imported here: `serve` checks the model's cache before it starts its workers, and that
+    # need not wait for transformers' import (~1 s).
+    from transformers import AutoTokenizer
+
     if cache_dir is not None and (cache_dir / "tokenizer.json").is_file():
         return AutoTokenizer.from_pretrained(cache_dir, local_files_only=True)
     if source.kind == "gguf":

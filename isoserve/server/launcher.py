@@ -205,41 +205,24 @@ def _worker_command(args, role: str, index: int, router: str, kv_endpoint: str, 
 
 
 async def _serve(args) -> int:
-    import uvicorn
-
-    from isoserve.server.http_protocol import BoundedHeadProtocol
-    from isoserve.server.limits import KEEP_ALIVE_TIMEOUT_S
-
     from isoserve.disagg.cores import create_share_file, host_cores
     from isoserve.disagg.wire import load_cluster_secret, new_cluster_secret
-    from isoserve.engine.deadlines import Deadlines
-    from isoserve.model.loader import load_checkpoint
-    from isoserve.server.app import create_app
-    from isoserve.server.backpressure import LoadLimits
+    from isoserve.model.loader import conversion_needed, load_checkpoint
     from isoserve.server.metrics import Metrics
-    from isoserve.server.router import Router, RouterSettings
     from isoserve.server.supervisor import Supervisor
-    from isoserve.server.tenants import TenantStore, ensure_tenants_file
 
     _warn_disabled_guards(args.disabled_guards)
-    ckpt = load_checkpoint(args.model, parse_dtype(args.dtype), cache_dir=args.cache_dir)
-    context = args.context_length or ckpt.config.max_position_embeddings
+    dtype = parse_dtype(args.dtype)
+    # An unknown model fails here, before any worker starts. A GGUF's first start converts it
+    # here, once, so that the workers read the cache instead of each converting it at once.
+    if conversion_needed(args.model, dtype, args.cache_dir):
+        load_checkpoint(args.model, dtype, cache_dir=args.cache_dir)
     runtime_dir = Path(tempfile.mkdtemp(prefix="isoserve-"))
     listen = args.listen_workers or f"ipc://{runtime_dir}/router.sock"
     if args.cluster_secret_file:
         secret = load_cluster_secret(args.cluster_secret_file)
     else:
         secret = new_cluster_secret().encode()
-    settings = RouterSettings(model_name=ckpt.name, context_length=context, page_size=args.page_size,
-                              mode=args.mode, min_kv_headroom=args.min_kv_headroom,
-                              allow_undersized_kv=args.allow_undersized_kv,
-                              disabled_guards=args.disabled_guards,
-                              deadlines=Deadlines(args.queue_timeout, args.generation_timeout),
-                              heartbeat_timeout_s=args.heartbeat_timeout)
-    metrics = Metrics()
-    router = Router(settings, secret, listen, ckpt.tokenizer, metrics)
-    del ckpt  # the router keeps only the tokenizer
-    await router.start()
 
     plan = ([("aggregated", args.aggregated_workers)] if args.mode == "aggregated" else
             [("prefill", args.prefill_workers), ("decode", args.decode_workers)])
@@ -267,15 +250,40 @@ async def _serve(args) -> int:
                  _max_num_seqs(args, "prefill"), args.prefill_gather_ms, _max_num_seqs(args, "decode"))
     slots = iter(range(total))
     env = {**os.environ, "ISOSERVE_CLUSTER_SECRET": secret.decode()}
-    supervisor = Supervisor(lambda cmd: subprocess.Popen(cmd, env=env, preexec_fn=_die_with_parent),
-                            router, metrics)
-    for role, count in plan:
-        for i in range(count):
-            kv = f"ipc://{runtime_dir}/kv-{role}-{i}.sock" if role == "decode" else ""
-            supervisor.start(f"{role}-{i}", role,
-                             _worker_command(args, role, i, _local_endpoint(listen), kv, threads,
-                                             (share_file, next(slots)) if share_file else None))
+    metrics = Metrics()
+    supervisor = Supervisor(lambda cmd: subprocess.Popen(cmd, env=env, preexec_fn=_die_with_parent), metrics)
+    router = None
     try:
+        for role, count in plan:
+            for i in range(count):
+                kv = f"ipc://{runtime_dir}/kv-{role}-{i}.sock" if role == "decode" else ""
+                supervisor.start(f"{role}-{i}", role,
+                                 _worker_command(args, role, i, _local_endpoint(listen), kv, threads,
+                                                 (share_file, next(slots)) if share_file else None))
+        # The workers load the model (seconds) while this process imports the HTTP side and
+        # loads the tokenizer; its router binds after they started. zmq queues a worker's
+        # registration until the router listens, so an early one just waits for it.
+        import uvicorn
+
+        from isoserve.engine.deadlines import Deadlines
+        from isoserve.server.app import create_app
+        from isoserve.server.backpressure import LoadLimits
+        from isoserve.server.http_protocol import BoundedHeadProtocol
+        from isoserve.server.limits import KEEP_ALIVE_TIMEOUT_S
+        from isoserve.server.router import Router, RouterSettings
+        from isoserve.server.tenants import TenantStore, ensure_tenants_file
+
+        ckpt = load_checkpoint(args.model, dtype, cache_dir=args.cache_dir)
+        settings = RouterSettings(model_name=ckpt.name,
+                                  context_length=args.context_length or ckpt.config.max_position_embeddings,
+                                  page_size=args.page_size, mode=args.mode, min_kv_headroom=args.min_kv_headroom,
+                                  allow_undersized_kv=args.allow_undersized_kv,
+                                  disabled_guards=args.disabled_guards,
+                                  deadlines=Deadlines(args.queue_timeout, args.generation_timeout),
+                                  heartbeat_timeout_s=args.heartbeat_timeout)
+        router = Router(settings, secret, listen, ckpt.tokenizer, metrics)
+        del ckpt  # the router keeps only the tokenizer
+        await router.start()
         if total:
             log.info("waiting for %d worker(s) to load the model and register", total)
             await _wait_for_workers(router, supervisor.processes(), total, args.worker_start_timeout)
@@ -289,7 +297,7 @@ async def _serve(args) -> int:
         else:
             log.info("no local workers: waiting for workers to register on %s (secret from %s)",
                      listen, args.cluster_secret_file or "ISOSERVE_CLUSTER_SECRET")
-        supervisor.watch()
+        supervisor.watch(router)
         new_key = ensure_tenants_file(args.tenants)
         tenants = TenantStore.load(args.tenants)
         limits = LoadLimits(args.max_requests_in_flight, args.max_tokens_in_flight,
@@ -313,7 +321,8 @@ async def _serve(args) -> int:
         return 0
     finally:
         await supervisor.stop()
-        await router.stop()
+        if router is not None:
+            await router.stop()
         shutil.rmtree(runtime_dir, ignore_errors=True)  # the sockets and the core-share file
 
 

@@ -39,9 +39,9 @@ class SupervisedWorker:
 
 
 class Supervisor:
-    def __init__(self, spawn: Callable[[list[str]], subprocess.Popen], router, metrics):
+    def __init__(self, spawn: Callable[[list[str]], subprocess.Popen], metrics):
         self._spawn = spawn
-        self.router = router
+        self.router = None  # set by watch(): `serve` starts the workers before its router
         self.metrics = metrics
         self.workers: list[SupervisedWorker] = []
         self.stopping = False
@@ -56,8 +56,10 @@ class Supervisor:
     def processes(self) -> list[subprocess.Popen]:
         return [w.process for w in self.workers if w.process is not None]
 
-    def watch(self) -> None:
-        """Start restarting workers that exit (after the first registration is done)."""
+    def watch(self, router) -> None:
+        """Start restarting workers that exit (after the first registration is done), marking
+        each down in `router` first."""
+        self.router = router
         self._task = asyncio.create_task(self._watch())
 
     async def stop(self, grace_s: float = 10.0) -> None:
