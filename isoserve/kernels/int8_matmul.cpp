@@ -31,6 +31,7 @@
 
 #include <immintrin.h>
 
+#include "block_linear.h"
 #include "f32x8.h"
 
 #include <algorithm>
@@ -259,15 +260,8 @@ inline void panels_for_all_tiles(int64_t p, const QuantizedRows& q, const Tiles&
 template <typename Format>
 torch::Tensor int8_linear(const char* name, const torch::Tensor& x, const torch::Tensor& codes,
                           const torch::Tensor& d, const torch::Tensor* m) {
-  TORCH_CHECK(x.device().is_cpu() && x.scalar_type() == at::kFloat && x.is_contiguous() && x.dim() == 2,
-              name, " takes x as a contiguous float32 CPU tensor [rows, in_features]");
-  TORCH_CHECK(d.scalar_type() == at::kFloat && d.is_contiguous() && d.dim() == 3 && d.size(2) == kPanel,
-              name, " takes d as contiguous float32 [N / 8, K / 32, 8]");
+  isoserve::check_block_linear(name, x, codes, d, m, [](int64_t K) { return K / 32 * Format::kBlockBytes; });
   const int64_t rows = x.size(0), K = x.size(1), panels = d.size(0), N = panels * kPanel, blocks = K / 32;
-  TORCH_CHECK(K % 32 == 0 && d.size(1) == blocks, name, ": x has ", K, " inputs, d covers ", d.size(1), " blocks of 32");
-  TORCH_CHECK(codes.scalar_type() == at::kByte && codes.is_contiguous() && codes.numel() == panels * blocks * Format::kBlockBytes,
-              name, ": ", codes.numel(), " code bytes do not make a [", N, ", ", K, "] weight");
-  if (m) TORCH_CHECK(m->scalar_type() == at::kFloat && m->is_contiguous() && m->sizes() == d.sizes(), name, ": m must be shaped as d");
   auto y = torch::empty({rows, N}, x.options());
   if (rows == 0) return y;
   const Tiles tiles{rows, (rows + kTile - 1) / kTile};
