@@ -294,6 +294,20 @@ def test_serve_exits_2_with_the_audit_table_when_a_pool_is_below_the_context(tmp
     assert "Call it:" not in log  # it never started the HTTP server
 
 
+@pytest.mark.parametrize("command", ["serve", "check-config"])
+def test_an_unknown_model_exits_1_with_one_line_before_any_worker_starts(tmp_path, command):
+    missing = tmp_path / "missing"
+    args = ["--port", str(free_port()), "--tenants", str(tmp_path / "tenants.toml")] if command == "serve" else []
+    done = subprocess.run(isoserve_cmd(command, "--model", str(missing), *args), env=subprocess_env(),
+                          capture_output=True, text=True, timeout=120)
+    assert done.returncode == 1, done.stdout + done.stderr
+    assert done.stderr.strip().splitlines() == [
+        f"{command}: cannot load model '{missing}': unknown model '{missing}': expected 'smollm2-135m-instruct', "
+        "a .gguf file, or a Hugging Face checkpoint folder with config.json and *.safetensors"]
+    assert "worker" not in done.stdout + done.stderr
+    assert not (tmp_path / "tenants.toml").exists()  # serve stopped before anything else
+
+
 CHECKS = {  # sizing -> expected exit status of check-config
     "prefill-tokens-below-context": (UNDERSIZED, 2),
     # A memory budget too small for the context: 0.0001 GiB is 13 pages of 512 B/token here.

@@ -269,6 +269,19 @@ def test_unsupported_hf_architecture_is_refused(tiny_llama, tmp_path):
         load_checkpoint(str(folder), torch.float32)
 
 
+def test_hf_folder_with_an_incomplete_config_or_unreadable_weights_is_refused_by_name(tiny_llama, tmp_path):
+    folder = tmp_path / "broken"
+    shutil.copytree(tiny_llama, folder)
+    config = json.loads((folder / "config.json").read_text())
+    (folder / "config.json").write_text(json.dumps({k: v for k, v in config.items() if k != "rms_norm_eps"}))
+    with pytest.raises(ValueError, match=r"config\.json has no 'rms_norm_eps'"):
+        load_checkpoint(str(folder), torch.float32)
+    (folder / "config.json").write_text(json.dumps(config))
+    (folder / "model.safetensors").write_bytes(b"not a safetensors file")
+    with pytest.raises(ValueError, match=r"model\.safetensors is not a readable safetensors file"):
+        load_checkpoint(str(folder), torch.float32)
+
+
 def test_checkpoint_missing_a_tensor_is_refused(tiny_llama, tmp_path):
     folder = tmp_path / "incomplete"
     shutil.copytree(tiny_llama, folder)

@@ -5,6 +5,7 @@ import json
 from pathlib import Path
 
 import torch
+from safetensors import SafetensorError
 from safetensors.torch import load_file
 
 from isoserve.model.config import ModelConfig
@@ -21,7 +22,10 @@ def read_hf_checkpoint(folder: Path, dtype: torch.dtype) -> tuple[ModelConfig, d
     config = read_hf_config(folder)
     weights = {}
     for file in sorted(folder.glob("*.safetensors")):  # one file, or the shards of a large model
-        weights.update(load_file(file))
+        try:
+            weights.update(load_file(file))
+        except SafetensorError as e:
+            raise ValueError(f"{file} is not a readable safetensors file ({e})") from None
     # Old checkpoints carry the RoPE frequencies as buffers; we compute our own.
     weights = {k: v.to(dtype) for k, v in weights.items() if not k.endswith("rotary_emb.inv_freq")}
     if config.tie_word_embeddings:
@@ -30,7 +34,14 @@ def read_hf_checkpoint(folder: Path, dtype: torch.dtype) -> tuple[ModelConfig, d
 
 
 def read_hf_config(folder: Path) -> ModelConfig:
-    raw = json.loads((folder / "config.json").read_text())
+    raw = json.loads((folder / "config.json").read_text())  # bad JSON: a ValueError already
+    try:
+        return _model_config(folder, raw)
+    except KeyError as e:
+        raise ValueError(f"{folder / 'config.json'} has no {e.args[0]!r}") from None
+
+
+def _model_config(folder: Path, raw: dict) -> ModelConfig:
     archs = raw.get("architectures") or []
     arch = next((SUPPORTED_ARCHITECTURES[a] for a in archs if a in SUPPORTED_ARCHITECTURES), None)
     if not archs and raw.get("model_type") in SUPPORTED_ARCHITECTURES.values():

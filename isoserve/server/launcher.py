@@ -40,6 +40,16 @@ def _warn_disabled_guards(names) -> None:
         log.warning("!" * 78)
 
 
+def _model_or_exit(command: str, model: str, load):
+    """load()'s result; where the model cannot be read (an unknown name, a folder without
+    weights, weights that do not match their config, the default model's package missing), the
+    command's exit with that one line instead of a traceback."""
+    try:
+        return load()
+    except (ValueError, ModuleNotFoundError) as e:
+        raise SystemExit(f"{command}: cannot load model {model!r}: {e}") from None
+
+
 # ---- worker -------------------------------------------------------------------------------
 def run_worker(args) -> NoReturn:
     import torch
@@ -96,7 +106,8 @@ def check_config(args) -> int:
     from isoserve.model.loader import load_checkpoint
     from isoserve.server.audit import AuditSettings, audit_table, audit_worker
 
-    ckpt = load_checkpoint(args.model, parse_dtype(args.dtype), cache_dir=args.cache_dir)
+    ckpt = _model_or_exit("check-config", args.model,
+                          lambda: load_checkpoint(args.model, parse_dtype(args.dtype), cache_dir=args.cache_dir))
     context = args.context_length or ckpt.config.max_position_embeddings
     settings = AuditSettings(args.mode, context, args.page_size, args.min_kv_headroom,
                              args.allow_undersized_kv, "capacity_audit" not in args.disabled_guards)
@@ -215,8 +226,8 @@ async def _serve(args) -> int:
     dtype = parse_dtype(args.dtype)
     # An unknown model fails here, before any worker starts. A GGUF's first start converts it
     # here, once, so that the workers read the cache instead of each converting it at once.
-    if conversion_needed(args.model, dtype, args.cache_dir):
-        load_checkpoint(args.model, dtype, cache_dir=args.cache_dir)
+    if _model_or_exit("serve", args.model, lambda: conversion_needed(args.model, dtype, args.cache_dir)):
+        _model_or_exit("serve", args.model, lambda: load_checkpoint(args.model, dtype, cache_dir=args.cache_dir))
     runtime_dir = Path(tempfile.mkdtemp(prefix="isoserve-"))
     listen = args.listen_workers or f"ipc://{runtime_dir}/router.sock"
     if args.cluster_secret_file:
@@ -273,7 +284,7 @@ async def _serve(args) -> int:
         from isoserve.server.router import Router, RouterSettings
         from isoserve.server.tenants import TenantStore, ensure_tenants_file
 
-        ckpt = load_checkpoint(args.model, dtype, cache_dir=args.cache_dir)
+        ckpt = _model_or_exit("serve", args.model, lambda: load_checkpoint(args.model, dtype, cache_dir=args.cache_dir))
         settings = RouterSettings(model_name=ckpt.name,
                                   context_length=args.context_length or ckpt.config.max_position_embeddings,
                                   page_size=args.page_size, mode=args.mode, min_kv_headroom=args.min_kv_headroom,
