@@ -294,17 +294,18 @@ def test_serve_exits_2_with_the_audit_table_when_a_pool_is_below_the_context(tmp
     assert "Call it:" not in log  # it never started the HTTP server
 
 
-@pytest.mark.parametrize("command", ["serve", "check-config"])
+@pytest.mark.parametrize("command", ["serve", "check-config", "worker"])
 def test_an_unknown_model_exits_1_with_one_line_before_any_worker_starts(tmp_path, command):
     missing = tmp_path / "missing"
-    args = ["--port", str(free_port()), "--tenants", str(tmp_path / "tenants.toml")] if command == "serve" else []
+    args = {"serve": ["--port", str(free_port()), "--tenants", str(tmp_path / "tenants.toml")], "check-config": [],
+            "worker": ["--role", "prefill", "--router", f"tcp://127.0.0.1:{free_port()}"]}[command]
     done = subprocess.run(isoserve_cmd(command, "--model", str(missing), *args), env=subprocess_env(),
                           capture_output=True, text=True, timeout=120)
     assert done.returncode == 1, done.stdout + done.stderr
     assert done.stderr.strip().splitlines() == [
         f"{command}: cannot load model '{missing}': unknown model '{missing}': expected 'smollm2-135m-instruct', "
         "a .gguf file, or a Hugging Face checkpoint folder with config.json and *.safetensors"]
-    assert "worker" not in done.stdout + done.stderr
+    assert "worker(s)" not in done.stdout + done.stderr and "registering" not in done.stdout + done.stderr
     assert not (tmp_path / "tenants.toml").exists()  # serve stopped before anything else
 
 

@@ -66,6 +66,8 @@ def run_worker(args) -> NoReturn:
     failpoints.configure(args.enable_failpoints)
     if args.role == "decode" and not args.kv_endpoint:
         raise SystemExit("a decode worker needs --kv-endpoint (where prefill workers send KV)")
+    from isoserve.model.registry import resolve_model
+    _model_or_exit("worker", args.model, lambda: resolve_model(args.model))  # before loading anything
     opts = WorkerOptions(role=args.role, router=args.router,
                          secret=load_cluster_secret(args.cluster_secret_file),
                          engine=_engine_config(args, kv_tokens=args.kv_tokens,
