@@ -5,13 +5,13 @@ taken in the same run, never numbers from different runs).
     python bench/startup_time.py --rounds 3 --checkout /path/to/older/isoserve -- --dtype auto
 
 Each checkout runs from its own folder (`python -m` puts the working directory first on the
-path) with it on PYTHONPATH too, which its workers inherit; all with this virtual environment. A checkout whose kernel sources differ builds its kernels on its first start;
-run `python -m isoserve.kernels` there first, or that build is what the first round measures.
+path) with it on PYTHONPATH too, which its workers inherit; all with this virtual environment.
+A checkout whose kernel sources differ builds its kernels on its first start: run
+`python -m isoserve.kernels` there first, or that build is what the first round measures.
 """
 from __future__ import annotations
 
 import argparse
-import os
 import statistics
 import subprocess
 import sys
@@ -19,13 +19,12 @@ import tempfile
 import time
 from pathlib import Path
 
-import httpx
 from tqdm import tqdm
 
 HERE = Path(__file__).resolve().parents[1]
 sys.path.insert(0, str(HERE))
 
-from isoserve.bench.local_server import LocalServer, free_port, isoserve_cmd  # noqa: E402
+from isoserve.bench.local_server import LocalServer, child_env, free_port, isoserve_cmd  # noqa: E402
 from isoserve.server.tenants import add_tenant  # noqa: E402
 
 POLL_S = 0.05
@@ -34,23 +33,14 @@ POLL_S = 0.05
 def time_to_healthy(checkout: Path, serve_args: list[str], tenants: Path, log_path: Path, timeout: float) -> float:
     port = free_port()
     cmd = isoserve_cmd("serve", "--port", str(port), "--tenants", str(tenants), *serve_args)
-    env = {**os.environ, "HF_HUB_OFFLINE": "1", "PYTHONPATH": str(checkout)}
     start = time.monotonic()
     with open(log_path, "w") as log:
-        proc = subprocess.Popen(cmd, stdout=log, stderr=subprocess.STDOUT, env=env, cwd=checkout,
-                                start_new_session=True)
+        proc = subprocess.Popen(cmd, stdout=log, stderr=subprocess.STDOUT, cwd=checkout, start_new_session=True,
+                                env={**child_env(), "PYTHONPATH": str(checkout)})
     server = LocalServer(proc, f"http://127.0.0.1:{port}", cmd, log_path)
     try:
-        while time.monotonic() - start < timeout:
-            if proc.poll() is not None:
-                raise RuntimeError(f"serve exited with status {proc.returncode}:\n{server.log_tail()}")
-            try:
-                if httpx.get(server.base_url + "/health", timeout=1).status_code == 200:
-                    return time.monotonic() - start
-            except httpx.HTTPError:
-                pass
-            time.sleep(POLL_S)
-        raise TimeoutError(f"not healthy within {timeout:.0f} s:\n{server.log_tail()}")
+        server.wait_healthy(timeout, poll_s=POLL_S)
+        return time.monotonic() - start
     finally:
         server.stop()
 

@@ -20,7 +20,7 @@ from transformers import GenerationConfig
 from engine_prompts import PROMPTS
 from isoserve import LLM, SamplingParams
 from isoserve.model.registry import DEFAULT_MODEL
-from tiny_models import HAS_AVX2
+from tiny_models import NEEDS_AVX2
 
 NEW_TOKENS = 48
 LOGPROB_TOLERANCE = 1e-3
@@ -109,8 +109,7 @@ def _tokens_in_common(run, tokens: list[int]) -> int:
     return next((i for i, (a, b) in enumerate(zip(run.token_ids, tokens)) if a != b), len(tokens))
 
 
-@pytest.mark.skipif(not HAS_AVX2, reason="int8 activations run only on CPUs with AVX2 and FMA, which this one lacks: "
-                       "float32 never takes that path here")
+@NEEDS_AVX2
 def test_int8_activations_are_as_faithful_as_bfloat16(reference, prompt_ids, isoserve_cache):
     # float32's default on AVX2 rounds each matmul input to int8 by blocks of 32 (llama.cpp's
     # arithmetic for this file); bfloat16, the default where the CPU computes in it, rounds each

@@ -18,10 +18,7 @@ from isoserve.model.int8_blocks import (Int8Q4Weight, Int8Q8Weight, q4_1_group_c
 from isoserve.model.llama import LlamaModel
 from isoserve.model.loader import load_checkpoint
 from isoserve.model.vector_blocks import PANEL
-from tiny_models import HAS_AVX2
-
-needs_avx2 = pytest.mark.skipif(not HAS_AVX2, reason="int8 activations run only on CPUs with AVX2 and FMA, which this one lacks: "
-                       "float32 never takes that path here")
+from tiny_models import HAS_AVX2, NEEDS_AVX2 as needs_avx2
 
 
 def _q4(rows: int, cols: int, seed: int):

@@ -16,6 +16,7 @@ os.environ.setdefault("HF_HUB_OFFLINE", "1")  # before transformers reads it: ne
 
 import gguf
 import numpy as np
+import pytest
 import torch
 from safetensors.torch import load_file, save_file
 from transformers import LlamaConfig, LlamaForCausalLM
@@ -39,6 +40,9 @@ def _cpu_has_amx() -> bool:
 HAS_AMX = _cpu_has_amx()
 # Whether the float32 block kernels (kernels/vector_matmul.cpp) must run here (-march=native).
 HAS_AVX2 = {"avx2", "fma"} <= set(next(line for line in open("/proc/cpuinfo") if line.startswith("flags")).split())
+# For the tests of the int8 path, which only a CPU with AVX2 and FMA takes.
+NEEDS_AVX2 = pytest.mark.skipif(not HAS_AVX2, reason="int8 activations run only on CPUs with AVX2 and FMA, which "
+                                "this one lacks: float32 never takes that path here")
 
 
 def make_tiny_llama(path: Path, *, num_heads: int = 4, num_kv_heads: int = 2, hidden_size: int = 64,

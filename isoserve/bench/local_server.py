@@ -66,7 +66,7 @@ class LocalServer:
     def metrics(self) -> str:
         return httpx.get(self.base_url + "/metrics", timeout=30).text
 
-    def wait_healthy(self, timeout: float) -> None:
+    def wait_healthy(self, timeout: float, poll_s: float = 0.5) -> None:
         deadline = time.monotonic() + timeout
         while time.monotonic() < deadline:
             if self.proc.poll() is not None:
@@ -74,7 +74,7 @@ class LocalServer:
             with contextlib.suppress(httpx.HTTPError):
                 if httpx.get(self.base_url + "/health", timeout=2).status_code == 200:
                     return
-            time.sleep(0.5)
+            time.sleep(poll_s)
         raise TimeoutError(f"server not healthy within {timeout:.0f} s:\n{self.log_tail()}")
 
     def stop(self, timeout: float = 30) -> int:

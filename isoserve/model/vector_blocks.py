@@ -66,6 +66,9 @@ class VectorQ4Weight:
     layout = staticmethod(q4_1_panel_codes)
     kernel = "q4_1_linear_f32"
 
+    def __post_init__(self):
+        self._linear = getattr(self.kernels, self.kernel)  # once, not on every decode step
+
     @classmethod
     def from_companions(cls, parts: list[tuple[torch.Tensor, torch.Tensor, torch.Tensor]],
                         kernels) -> VectorQ4Weight | None:
@@ -82,7 +85,7 @@ class VectorQ4Weight:
 
     def matmul(self, x: torch.Tensor) -> torch.Tensor:
         """x [M, K] float32 @ W^T -> [M, N] (a strided x is copied once, as F.linear would)."""
-        return getattr(self.kernels, self.kernel)(x.contiguous(), self.codes, self.d, self.m)
+        return self._linear(x.contiguous(), self.codes, self.d, self.m)
 
 
 @dataclass
@@ -95,6 +98,9 @@ class VectorQ8Weight:
     layout = staticmethod(q8_0_panel_codes)
     kernel = "q8_0_linear_f32"
 
+    def __post_init__(self):
+        self._linear = getattr(self.kernels, self.kernel)
+
     @classmethod
     def from_companions(cls, codes: torch.Tensor, d: torch.Tensor, kernels) -> VectorQ8Weight | None:
         if not shape_fits(*codes.shape):
@@ -106,4 +112,4 @@ class VectorQ8Weight:
         return sum(t.numel() * t.element_size() for t in (self.codes, self.d))
 
     def matmul(self, x: torch.Tensor) -> torch.Tensor:
-        return getattr(self.kernels, self.kernel)(x.contiguous(), self.codes, self.d)
+        return self._linear(x.contiguous(), self.codes, self.d)

@@ -226,10 +226,14 @@ async def _serve(args) -> int:
 
     _warn_disabled_guards(args.disabled_guards)
     dtype = parse_dtype(args.dtype)
+
+    def load():
+        return _model_or_exit("serve", args.model, lambda: load_checkpoint(args.model, dtype, cache_dir=args.cache_dir))
+
     # An unknown model fails here, before any worker starts. A GGUF's first start converts it
-    # here, once, so that the workers read the cache instead of each converting it at once.
-    if _model_or_exit("serve", args.model, lambda: conversion_needed(args.model, dtype, args.cache_dir)):
-        _model_or_exit("serve", args.model, lambda: load_checkpoint(args.model, dtype, cache_dir=args.cache_dir))
+    # here, once, so that the workers read the cache instead of each converting it at once; that
+    # checkpoint then serves the router too.
+    ckpt = load() if _model_or_exit("serve", args.model, lambda: conversion_needed(args.model, dtype, args.cache_dir)) else None
     runtime_dir = Path(tempfile.mkdtemp(prefix="isoserve-"))
     listen = args.listen_workers or f"ipc://{runtime_dir}/router.sock"
     if args.cluster_secret_file:
@@ -286,7 +290,7 @@ async def _serve(args) -> int:
         from isoserve.server.router import Router, RouterSettings
         from isoserve.server.tenants import TenantStore, ensure_tenants_file
 
-        ckpt = _model_or_exit("serve", args.model, lambda: load_checkpoint(args.model, dtype, cache_dir=args.cache_dir))
+        ckpt = ckpt or load()  # config and tokenizer for the router
         settings = RouterSettings(model_name=ckpt.name,
                                   context_length=args.context_length or ckpt.config.max_position_embeddings,
                                   page_size=args.page_size, mode=args.mode, min_kv_headroom=args.min_kv_headroom,
