@@ -13,10 +13,12 @@ from isoserve.engine.llm import LLM
 from isoserve.engine.sampling_params import SamplingParams
 from isoserve.kernels import cpu_ops
 from isoserve.model import int4, q8_0
-from isoserve.model.int8_blocks import (Int8Q4Weight, Int8Q8Weight, q4_1_group_codes, q8_0_group_codes,
-                                        quantize_activations, reference)
+from isoserve.model.int8_blocks import (Int8Q4SwigluWeight, Int8Q4Weight, Int8Q8Weight, q4_1_group_codes,
+                                        q8_0_group_codes, quantize_activations, reference)
 from isoserve.model.llama import LlamaModel
 from isoserve.model.loader import load_checkpoint
+from isoserve.model.projection import Projection
+from isoserve.model.quantized import EVERY_STEP
 from isoserve.model.vector_blocks import PANEL
 from tiny_models import HAS_AVX2, NEEDS_AVX2 as needs_avx2
 
@@ -157,6 +159,52 @@ def test_the_kernels_refuse_what_they_cannot_read():
     assert ops.q4_1_linear_i8(torch.randn(0, 64), weight.codes, weight.d, weight.m).shape == (0, 32)
 
 
+def _gate_up_parts(outputs: int, cols: int, seed: int):
+    """The Q4_1 (packed codes, d, m) of a gate and an up projection, and their dense [gate; up]."""
+    g = torch.Generator().manual_seed(seed)
+    parts = []
+    for _ in range(2):
+        codes = torch.randint(0, 16, (outputs, cols), generator=g)
+        d = (torch.rand(outputs, cols // 32, generator=g) * 0.05).half()
+        m = (torch.randn(outputs, cols // 32, generator=g) * 0.1).half()
+        parts.append((int4._pack(codes.to(torch.uint8)), d, m))
+    dense = torch.cat([int4.dequantize({"w" + int4.CODES: c, "w" + int4.SCALE: d, "w" + int4.MIN: m}, "w")
+                       for c, d, m in parts])
+    return parts, dense
+
+
+@needs_avx2
+@pytest.mark.parametrize("rows", [1, 3, 4, 5, 32, 37])
+def test_the_gate_up_kernel_gives_silu_mul_of_the_projection_bit_for_bit(rows):
+    # One call, silu(x G^T) * (x U^T) from the kernel's two accumulators: exactly what the
+    # projection then silu_mul compute, for a step of one tile (registers) and of several (buffer).
+    ops = cpu_ops()
+    parts, dense = _gate_up_parts(48, 96, seed=rows)
+    fused, plain = Int8Q4SwigluWeight.from_companions(parts, ops), Int8Q4Weight.from_companions(parts, ops)
+    x = torch.randn(rows, 96, generator=torch.Generator().manual_seed(100 + rows)) * 3
+    expected = ops.silu_mul(plain.matmul(x))
+    assert expected.shape == (rows, 48)
+    assert torch.equal(fused.swiglu(x), expected)
+    # Through a Projection: swiglu takes the kernel; a plain call multiplies by the dense weight.
+    projection = Projection(dense, None, [(EVERY_STEP, fused)])
+    assert torch.equal(projection.swiglu(x, ops.silu_mul), expected)
+    torch.testing.assert_close(projection(x), F.linear(x, dense), rtol=1e-5, atol=1e-5)
+    with pytest.raises(TypeError, match="not x W"):
+        fused.matmul(x)
+
+
+@needs_avx2
+def test_the_gate_up_kernel_takes_only_pairs_of_gate_and_up_panels():
+    ops = cpu_ops()
+    parts, _ = _gate_up_parts(12, 64, seed=1)  # 24 outputs: whole panels, but 12 a half
+    assert Int8Q4SwigluWeight.from_companions(parts, ops) is None
+    assert Int8Q4Weight.from_companions(parts, ops) is not None  # the plain kernel and silu_mul instead
+    assert Int8Q4SwigluWeight.from_companions(parts[:1], ops) is None  # not a gate and an up
+    three_panels = Int8Q4Weight.from_companions(parts, ops)
+    with pytest.raises(RuntimeError, match="pairs of gate and up panels"):
+        ops.q4_1_swiglu_i8(torch.randn(2, 64), three_panels.codes, three_panels.d, three_panels.m)
+
+
 def test_float32_takes_the_int8_kernels_for_every_step_unless_told_not_to(tiny_q4_1, tiny_cache):
     ckpt = load_checkpoint(str(tiny_q4_1), torch.float32, tiny_cache)
 
@@ -164,9 +212,10 @@ def test_float32_takes_the_int8_kernels_for_every_step_unless_told_not_to(tiny_q
         return LlamaModel(ckpt.config, ckpt.weights, torch.float32, **options)
 
     if HAS_AVX2:
-        assert dict(model().quantized_paths) == {"int8 x 4-bit for every step": 8}  # qkv, o, gate_up, down
+        assert dict(model().quantized_paths) == {"int8 x 4-bit for every step": 6,  # qkv, o, down
+                                                 "int8 x 4-bit with SwiGLU for every step": 2}  # gate_up
         assert dict(model(int8_activations=True, int4_max_rows=64).quantized_paths) == {
-            "int8 x 4-bit for steps of <= 64 tokens": 8}
+            "int8 x 4-bit for steps of <= 64 tokens": 6, "int8 x 4-bit with SwiGLU for steps of <= 64 tokens": 2}
         assert dict(model(int8_activations=False).quantized_paths) == {"float32 4-bit for steps of <= 512 tokens": 8}
     else:
         with pytest.raises(ValueError, match="int8 activations cannot run here"):

@@ -6,11 +6,12 @@
 #pragma once
 
 #if defined(__AVX2__) && defined(__FMA__)
+#define ISOSERVE_AVX2_FMA 1
 #include <immintrin.h>
 
 namespace isoserve {
 
-// Lane reductions, for every AVX2 build (int8_matmul.cpp runs on AVX-512 machines too).
+// For every AVX2 build (int8_matmul.cpp runs on AVX-512 machines too): lane reductions, e^x, SwiGLU.
 inline float sum_lanes8(__m256 v) {
   const __m128 half = _mm_add_ps(_mm256_castps256_ps128(v), _mm256_extractf128_ps(v, 1));
   const __m128 pair = _mm_add_ps(half, _mm_movehl_ps(half, half));
@@ -22,16 +23,6 @@ inline float max_lanes8(__m256 v) {
   const __m128 pair = _mm_max_ps(half, _mm_movehl_ps(half, half));
   return _mm_cvtss_f32(_mm_max_ss(pair, _mm_movehdup_ps(pair)));
 }
-
-}  // namespace isoserve
-#endif
-
-#if defined(__AVX2__) && defined(__FMA__) && !defined(__AVX512F__)
-#define ISOSERVE_F32X8 1
-
-#include <immintrin.h>
-
-namespace isoserve {
 
 // e^x on 8 lanes, cpu_ops.cpp's fast_exp step for step: n = round(x / ln 2), r = x - n ln 2 in
 // two parts (Cody-Waite, so r is exact), degree-7 Taylor, times 2^n. Inputs clamped to
@@ -55,6 +46,23 @@ inline __m256 exp8(__m256 x) {
   const __m256 result = _mm256_mul_ps(p, _mm256_castsi256_ps(bits));
   return _mm256_blendv_ps(result, input, _mm256_cmp_ps(input, input, _CMP_UNORD_Q));
 }
+
+// silu(g) * u on 8 lanes: SwiGLU's float32 arithmetic, g / (1 + e^-g) times u, shared by
+// cpu_ops.cpp's silu_mul and int8_matmul.cpp's gate-up kernel, which must agree to the bit.
+inline __m256 silu_times8(__m256 g, __m256 u) {
+  const __m256 silu = _mm256_div_ps(g, _mm256_add_ps(_mm256_set1_ps(1.0f), exp8(_mm256_xor_ps(g, _mm256_set1_ps(-0.0f)))));
+  return _mm256_mul_ps(silu, u);
+}
+
+}  // namespace isoserve
+#endif
+
+#if defined(__AVX2__) && defined(__FMA__) && !defined(__AVX512F__)
+#define ISOSERVE_F32X8 1
+
+#include <immintrin.h>
+
+namespace isoserve {
 
 // Lane i of the result is the sum of the 8 lanes of v[i]: one transpose-and-add tree (6
 // horizontal adds, 2 lane swaps, 1 add) where 8 separate reductions would take ~40.

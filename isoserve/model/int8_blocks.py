@@ -13,13 +13,18 @@ Layout (the kernel file documents it too): outputs in panels of 8; inputs in gro
 8 x 4 codes fill 32 bytes, [output][input]. Q4_1: a block's 8 groups in 4 chunks of 32 bytes,
 chunk c holding group c in its low nibbles and group c + 4 in its high ones: [N / 8, K / 32, 4,
 32] bytes. Q8_0: [N / 8, K / 32, 8, 32] int8. d (and m) as float32 [N / 8, K / 32, 8].
+
+A merged gate-up weight goes to q4_1_swiglu_i8 with its panels reordered in pairs, each gate
+panel followed by the up panel of the same 8 outputs: the kernel then writes silu(gate) * up
+from its two accumulators (cpu_ops.cpp's silu_mul arithmetic, to the bit), half the outputs
+and no second pass over the [rows, 2 n] projection.
 """
 from __future__ import annotations
 
 import torch
 
-from isoserve.model.int4 import GROUP
-from isoserve.model.vector_blocks import PANEL, VectorQ4Weight, VectorQ8Weight
+from isoserve.model.int4 import GROUP, merge
+from isoserve.model.vector_blocks import PANEL, VectorQ4Weight, VectorQ8Weight, panels, shape_fits
 
 
 def int8_unavailable(kernels) -> str:
@@ -69,6 +74,42 @@ class Int8Q4Weight(VectorQ4Weight):
     name = "int8 x 4-bit"
     layout = staticmethod(q4_1_group_codes)
     kernel = "q4_1_linear_i8"
+
+
+def gate_up_panel_pairs(rows: int) -> torch.Tensor:
+    """Row order of a merged [gate; up] weight of `rows` rows for q4_1_swiglu_i8: each gate
+    panel of 8 outputs, then the up panel of the same outputs."""
+    n = rows // 2
+    gate = torch.arange(n).view(n // PANEL, PANEL)
+    return torch.stack([gate, gate + n], dim=1).flatten()
+
+
+class Int8Q4SwigluWeight(Int8Q4Weight):
+    """A merged gate-up Q4_1 weight for q4_1_swiglu_i8: `swiglu(x)` is silu(x G^T) * (x U^T) in
+    one kernel call. It has no plain x W^T: Projection multiplies by its dense weight instead."""
+    name = "int8 x 4-bit with SwiGLU"
+    kernel = "q4_1_swiglu_i8"
+    fuses_swiglu = True
+
+    @classmethod
+    def from_companions(cls, parts: list[tuple[torch.Tensor, torch.Tensor, torch.Tensor]],
+                        kernels) -> Int8Q4SwigluWeight | None:
+        """From the (codes, d, m) of the gate and the up projection; None where the kernel cannot
+        take the shape (two halves of whole panels)."""
+        if len(parts) != 2 or parts[0][0].shape != parts[1][0].shape:
+            return None
+        codes, d, m = merge(parts)
+        if not shape_fits(*codes.shape) or codes.shape[0] % (2 * PANEL):
+            return None
+        order = gate_up_panel_pairs(codes.shape[0])
+        return cls(cls.layout(codes[order]), panels(d[order].float()), panels(m[order].float()), kernels)
+
+    def matmul(self, x: torch.Tensor) -> torch.Tensor:
+        raise TypeError("a SwiGLU gate-up weight gives silu(gate) * up (swiglu), not x W^T")
+
+    def swiglu(self, x: torch.Tensor) -> torch.Tensor:
+        """x [M, K] float32 -> silu(x G^T) * (x U^T) [M, N / 2]."""
+        return self._linear(x.contiguous(), self.codes, self.d, self.m)
 
 
 class Int8Q8Weight(VectorQ8Weight):

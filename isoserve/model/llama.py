@@ -60,13 +60,13 @@ class LlamaModel:
                 raise ValueError(f"checkpoint has no tensor {name!r}")
             return weights[name].to(device=self.device, dtype=dtype).contiguous()
 
-        def projection(names: list[str], bias: torch.Tensor | None = None) -> Projection:
+        def projection(names: list[str], bias: torch.Tensor | None = None, gate_up: bool = False) -> Projection:
             """One matmul for the projections in `names`, stacked by output rows."""
             full = torch.cat([w(n) for n in names]).contiguous()
             tiers = []
             if all(int4.has_companions(weights, n) for n in names):
                 tiers = q4_tiers([tuple(weights[n + s] for s in int4.COMPANIONS) for n in names],
-                                 dtype, self.ops.kernels, int4_max_rows, int8_activations)
+                                 dtype, self.ops.kernels, int4_max_rows, int8_activations, gate_up=gate_up)
             return self._projection(full, bias, tiers)
 
         self.embed = w("model.embed_tokens.weight")
@@ -90,7 +90,7 @@ class LlamaModel:
                 qkv=projection(qkv_names, bias),
                 o=projection([p + "self_attn.o_proj.weight"]),
                 post_norm=w(p + "post_attention_layernorm.weight"),
-                gate_up=projection([p + "mlp.gate_proj.weight", p + "mlp.up_proj.weight"]),
+                gate_up=projection([p + "mlp.gate_proj.weight", p + "mlp.up_proj.weight"], gate_up=True),
                 down=projection([p + "mlp.down_proj.weight"]),
             ))
         self.quantized_projections = sum(self.quantized_paths.values())
@@ -120,7 +120,7 @@ class LlamaModel:
             q = ops.rotary_store(layer.qkv(h), cos, sin, k_cache, v_cache, attn.write_slots, cfg.num_heads)
             a = paged_attention(q, k_cache, v_cache, attn, self.scale, ops.decode_attention, ops.prefill_attention)
             h = ops.add_rms_norm(x, layer.o(a.reshape(-1, self._q_size)), layer.post_norm, eps)
-            mlp = layer.down(ops.silu_mul(layer.gate_up(h)))
+            mlp = layer.down(layer.gate_up.swiglu(h, ops.silu_mul))
             if i + 1 < len(self.layers):  # the residual add, fused with the next layer's norm
                 h = ops.add_rms_norm(x, mlp, self.layers[i + 1].input_norm, eps)
             else:

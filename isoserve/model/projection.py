@@ -51,12 +51,21 @@ class Projection:
 
     def __call__(self, x: torch.Tensor) -> torch.Tensor:
         q4 = self.quantized_for(x.shape[0])
-        if q4 is not None:
+        if q4 is not None and not getattr(q4, "fuses_swiglu", False):
             y = q4.matmul(x)
             return y if self.bias is None else y + self.bias
         if self.packed is not None:
             return torch.ops.mkldnn._linear_pointwise(x.contiguous(), self.packed, self.bias, "none", [], "")
         return F.linear(x, self.weight, self.bias)
+
+
+    def swiglu(self, x: torch.Tensor, silu_mul) -> torch.Tensor:
+        """silu(gate) * up of this merged [gate; up] projection: one kernel call where the step's
+        weight computes both (model/int8_blocks.py), else the projection and then silu_mul."""
+        q4 = self.quantized_for(x.shape[0])
+        if getattr(q4, "fuses_swiglu", False) and self.bias is None:
+            return q4.swiglu(x)
+        return silu_mul(self(x))
 
 
 def _onednn_packed(weight: torch.Tensor) -> torch.Tensor | None:

@@ -21,7 +21,7 @@ import torch
 
 from isoserve.model import q8_0
 from isoserve.model.amx import AmxQ4Weight, AmxQ8Weight, amx_unavailable
-from isoserve.model.int8_blocks import Int8Q4Weight, Int8Q8Weight, int8_unavailable
+from isoserve.model.int8_blocks import Int8Q4SwigluWeight, Int8Q4Weight, Int8Q8Weight, int8_unavailable
 from isoserve.model.int4 import COMPANIONS as Q4_1_COMPANIONS, Int4Weight
 from isoserve.model.vector_blocks import VectorQ4Weight, VectorQ8Weight, vector_unavailable
 
@@ -37,7 +37,8 @@ VECTOR_DEFAULT_MAX_ROWS = 512  # float32: up to here the AVX2 block kernels beat
 # and 808; 2,048 rows 1.48 s against 2.65 and 2.83.
 INT8_DEFAULT_MAX_ROWS = EVERY_STEP = 2**62
 
-Weight = AmxQ4Weight | AmxQ8Weight | Int4Weight | VectorQ4Weight | VectorQ8Weight | Int8Q4Weight | Int8Q8Weight
+Weight = (AmxQ4Weight | AmxQ8Weight | Int4Weight | VectorQ4Weight | VectorQ8Weight | Int8Q4Weight
+          | Int8Q4SwigluWeight | Int8Q8Weight)
 Tier = tuple[int, Weight]  # (most rows, weight)
 
 
@@ -64,13 +65,18 @@ def _int8_applies(kernels, int8_activations: bool | None) -> bool:
 
 
 def q4_tiers(parts: list[tuple[torch.Tensor, torch.Tensor, torch.Tensor]], dtype: torch.dtype,
-             kernels=None, max_rows: int | None = None, int8_activations: bool | None = None) -> list[Tier]:
+             kernels=None, max_rows: int | None = None, int8_activations: bool | None = None,
+             gate_up: bool = False) -> list[Tier]:
     """A projection's tiers from its Q4_1 (codes, d, m) parts; [] where none applies.
-    int8_activations: in float32, None or True takes the int8 kernel where it runs."""
+    int8_activations: in float32, None or True takes the int8 kernel where it runs.
+    gate_up: the parts are a gate and an up projection; the int8 kernel then computes SwiGLU too."""
     if max_rows == 0:
         return []
     if dtype == torch.float32 and vector_unavailable(kernels) == "":
-        int8 = Int8Q4Weight.from_companions(parts, kernels) if _int8_applies(kernels, int8_activations) else None
+        int8 = None
+        if _int8_applies(kernels, int8_activations):
+            int8 = ((Int8Q4SwigluWeight.from_companions(parts, kernels) if gate_up else None)
+                    or Int8Q4Weight.from_companions(parts, kernels))
         return _float32_tier(int8, None if int8 else VectorQ4Weight.from_companions(parts, kernels), max_rows)
     if dtype != torch.bfloat16:
         return []
