@@ -1,0 +1,61 @@
+"""The fused decode attention kernel alone, at batch 32 over SmolLM2's heads (9 query, 3 KV, 64
+dims), 30 layers a step, with 1 and with 2 threads, alternating: once with a pool that fits in
+L3 (each layer's pages are the step's own, shuffled), once with the default worker's pool (736
+pages a layer, the step's pages drawn from all of them), whose KV comes from memory. The gap
+between the two is what fewer KV bytes could save; the L3 time is the kernel's own work.
+
+    python bench/attention_threads.py --keys 135 --rounds 3
+"""
+from __future__ import annotations
+
+import argparse
+import statistics
+import time
+
+import torch
+
+from isoserve.kernels import cpu_ops
+
+HEADS, KV_HEADS, DIM, PAGE, LAYERS = 9, 3, 64, 16, 30
+
+
+def step_time(ops, layers, q, pages, lens, rounds: int) -> float:
+    times = []
+    for _ in range(rounds):
+        start = time.perf_counter()
+        for k, v in layers:
+            ops.decode_attention(q, k, v, pages, lens, DIM ** -0.5)
+        times.append(time.perf_counter() - start)
+    return statistics.median(times)
+
+
+def main() -> None:
+    p = argparse.ArgumentParser(description=__doc__.splitlines()[0])
+    p.add_argument("--keys", type=int, default=135)
+    p.add_argument("--batch", type=int, default=32)
+    p.add_argument("--pool-pages", type=int, default=736, help="a layer's pages in the memory-resident case")
+    p.add_argument("--rounds", type=int, default=3)
+    args = p.parse_args()
+    ops, g = cpu_ops(), torch.Generator().manual_seed(0)
+    per_seq = -(-args.keys // PAGE)
+    q = torch.randn(args.batch, HEADS, DIM, generator=g)
+    lens = torch.full((args.batch,), args.keys, dtype=torch.int64)
+    kv_bytes = LAYERS * args.batch * args.keys * KV_HEADS * DIM * 2 * 4
+    cases = {}
+    for name, pool_pages in (("pool in L3", args.batch * per_seq), ("worker's pool", args.pool_pages)):
+        shape = (KV_HEADS, pool_pages, PAGE, DIM)
+        # One layer's cache reused 30 times stays in L3; 30 of the worker's size do not.
+        count = 1 if name == "pool in L3" else LAYERS
+        caches = [(torch.randn(*shape, generator=g), torch.randn(*shape, generator=g)) for _ in range(count)]
+        pages = torch.randperm(pool_pages, generator=g)[:args.batch * per_seq].view(args.batch, per_seq).contiguous()
+        cases[name] = (caches * (LAYERS // count), pages)
+    for threads in (1, 2):
+        torch.set_num_threads(threads)
+        for name, (layers, pages) in cases.items():
+            step_time(ops, layers, q, pages, lens, 1)  # warm
+            t = step_time(ops, layers, q, pages, lens, args.rounds)
+            print(f"threads {threads}, {name:13s}: {t * 1e3:6.2f} ms for 30 layers, {kv_bytes / t / 1e9:5.1f} GB/s of KV")
+
+
+if __name__ == "__main__":
+    main()
