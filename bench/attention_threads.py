@@ -1,8 +1,8 @@
 """The fused decode attention kernel alone, at batch 32 over SmolLM2's heads (9 query, 3 KV, 64
-dims), 30 layers a step, with 1 and with 2 threads, alternating: once with a pool that fits in
-L3 (each layer's pages are the step's own, shuffled), once with the default worker's pool (736
-pages a layer, the step's pages drawn from all of them), whose KV comes from memory. The gap
-between the two is what fewer KV bytes could save; the L3 time is the kernel's own work.
+dims), 30 layers a step, with 1 and with 2 threads: with a pool that fits in L3 (the step's own
+pages, shuffled), and with the default worker's pool (736 pages a layer), whose KV comes from
+memory, its pages scattered over the pool (a server after hours of traffic) or in order (a
+fresh engine). The gap to the L3 case is what fewer KV bytes could save.
 
     python bench/attention_threads.py --keys 135 --rounds 3
 """
@@ -42,19 +42,22 @@ def main() -> None:
     lens = torch.full((args.batch,), args.keys, dtype=torch.int64)
     kv_bytes = LAYERS * args.batch * args.keys * KV_HEADS * DIM * 2 * 4
     cases = {}
-    for name, pool_pages in (("pool in L3", args.batch * per_seq), ("worker's pool", args.pool_pages)):
-        shape = (KV_HEADS, pool_pages, PAGE, DIM)
-        # One layer's cache reused 30 times stays in L3; 30 of the worker's size do not.
-        count = 1 if name == "pool in L3" else LAYERS
-        caches = [(torch.randn(*shape, generator=g), torch.randn(*shape, generator=g)) for _ in range(count)]
-        pages = torch.randperm(pool_pages, generator=g)[:args.batch * per_seq].view(args.batch, per_seq).contiguous()
-        cases[name] = (caches * (LAYERS // count), pages)
+    shape = (KV_HEADS, args.pool_pages, PAGE, DIM)
+    # One layer's cache reused 30 times stays in L3; 30 of the worker's size do not.
+    small = (KV_HEADS, args.batch * per_seq, PAGE, DIM)
+    in_l3 = [(torch.randn(*small, generator=g), torch.randn(*small, generator=g))] * LAYERS
+    worker = [(torch.randn(*shape, generator=g), torch.randn(*shape, generator=g)) for _ in range(LAYERS)]
+    scattered = torch.randperm(args.pool_pages, generator=g)[:args.batch * per_seq]
+    # A fresh engine's allocator hands pages out in order (kv/allocator.py), one sequence's after another's.
+    cases["pool in L3"] = (in_l3, torch.randperm(args.batch * per_seq, generator=g).view(args.batch, per_seq))
+    cases["worker's pool, pages scattered"] = (worker, scattered.view(args.batch, per_seq).contiguous())
+    cases["worker's pool, pages in order"] = (worker, torch.arange(args.batch * per_seq).view(args.batch, per_seq))
     for threads in (1, 2):
         torch.set_num_threads(threads)
         for name, (layers, pages) in cases.items():
             step_time(ops, layers, q, pages, lens, 1)  # warm
             t = step_time(ops, layers, q, pages, lens, args.rounds)
-            print(f"threads {threads}, {name:13s}: {t * 1e3:6.2f} ms for 30 layers, {kv_bytes / t / 1e9:5.1f} GB/s of KV")
+            print(f"threads {threads}, {name:30s}: {t * 1e3:6.2f} ms for 30 layers, {kv_bytes / t / 1e9:5.1f} GB/s of KV")
 
 
 if __name__ == "__main__":
