@@ -220,8 +220,10 @@ void silu_mul_rows(const T* in, T* out, int64_t rows, int64_t n) {
       }
 #endif
 #if ISOSERVE_AVX2_FMA
-      // float32 on AVX2: gcc's vectorization of the scalar loop below took ~3.8 ns an element.
-      // The int8 gate-up kernel computes the same lanes in its epilogue (silu_times8).
+      // float32 on AVX2 (measured on a Zen 3; AVX-512 builds take it too, unmeasured there):
+      // gcc's vectorization of the scalar loop below took ~3.8 ns an element. The int8 gate-up
+      // kernel computes the same lanes in its epilogue (silu_times8); a row's last n % 8 take
+      // the scalar loop's fast_exp, which can differ from exp8 by an ulp.
       if constexpr (std::is_same_v<T, float>) {
         for (; i + 8 <= n; i += 8)
           _mm256_storeu_ps(o + i, isoserve::silu_times8(_mm256_loadu_ps(g + i), _mm256_loadu_ps(u + i)));

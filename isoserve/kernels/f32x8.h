@@ -1,8 +1,11 @@
-// Eight float32 values at a time on AVX2, for the float32 kernels of a CPU without AVX-512
-// (vector_attention.cpp, and SwiGLU in cpu_ops.cpp): where isoserve runs in float32 by default
-// (config.native_bfloat16), gcc's 16-wide vector code for the AVX-512 machines is split into
-// pairs of 8-wide registers, and the attention kernel's working set then spills: 30 layers of
-// batch-32 decode attention took 28 ms on an AMD Zen 3 (docs/benchmarks.md).
+// Eight float32 values at a time on AVX2. The first part serves every AVX2 build: lane
+// reductions, e^x and SwiGLU's arithmetic, which float32 silu_mul (cpu_ops.cpp) and the int8
+// gate-up kernel (int8_matmul.cpp) share so that they agree to the bit. The second part is
+// for the float32 kernels of a CPU without AVX-512 (vector_attention.cpp, argmax): where
+// isoserve runs in float32 by default (config.native_bfloat16), gcc's 16-wide vector code for
+// the AVX-512 machines is split into pairs of 8-wide registers, and the attention kernel's
+// working set then spills: 30 layers of batch-32 decode attention took 28 ms on an AMD Zen 3
+// (docs/benchmarks.md).
 #pragma once
 
 #if defined(__AVX2__) && defined(__FMA__)
@@ -24,8 +27,10 @@ inline float max_lanes8(__m256 v) {
   return _mm_cvtss_f32(_mm_max_ss(pair, _mm_movehdup_ps(pair)));
 }
 
-// e^x on 8 lanes, cpu_ops.cpp's fast_exp step for step: n = round(x / ln 2), r = x - n ln 2 in
-// two parts (Cody-Waite, so r is exact), degree-7 Taylor, times 2^n. Inputs clamped to
+// e^x on 8 lanes, cpu_ops.cpp's fast_exp steps: n = round(x / ln 2), r = x - n ln 2 in two
+// parts (Cody-Waite, so r is exact), degree-7 Taylor, times 2^n. Not fast_exp to the bit: there
+// gcc may fuse x / ln 2 with the rounding add into one FMA, and about one input in 16 million
+// then rounds to a neighbouring n. Inputs clamped to
 // [-87, 88], where 2^n stays a normal float; a NaN stays NaN.
 inline __m256 exp8(__m256 x) {
   const __m256 input = x;
