@@ -23,14 +23,19 @@ from isoserve.model.vector_blocks import PANEL
 from tiny_models import HAS_AVX2, NEEDS_AVX2 as needs_avx2
 
 
-def _q4(rows: int, cols: int, seed: int):
-    """(kernel weight, codes, d, m, dense float32 weight)"""
-    g = torch.Generator().manual_seed(seed)
+def _q4_blocks(rows: int, cols: int, g: torch.Generator):
+    """Random Q4_1 blocks as the loader keeps them: ((packed codes, d, m), codes, dense float32 weight)."""
     codes = torch.randint(0, 16, (rows, cols), generator=g)
     d = (torch.rand(rows, cols // 32, generator=g) * 0.02).half()
     m = (torch.randn(rows, cols // 32, generator=g) * 0.05).half()
     packed = int4._pack(codes.to(torch.uint8))
     dense = int4.dequantize({"w" + int4.CODES: packed, "w" + int4.SCALE: d, "w" + int4.MIN: m}, "w")
+    return (packed, d, m), codes, dense
+
+
+def _q4(rows: int, cols: int, seed: int):
+    """(kernel weight, codes, d, m, dense float32 weight)"""
+    (packed, d, m), codes, dense = _q4_blocks(rows, cols, torch.Generator().manual_seed(seed))
     return Int8Q4Weight.from_companions([(packed, d, m)], cpu_ops()), codes, d.float(), m.float(), dense
 
 
@@ -162,15 +167,8 @@ def test_the_kernels_refuse_what_they_cannot_read():
 def _gate_up_parts(outputs: int, cols: int, seed: int):
     """The Q4_1 (packed codes, d, m) of a gate and an up projection, and their dense [gate; up]."""
     g = torch.Generator().manual_seed(seed)
-    parts = []
-    for _ in range(2):
-        codes = torch.randint(0, 16, (outputs, cols), generator=g)
-        d = (torch.rand(outputs, cols // 32, generator=g) * 0.05).half()
-        m = (torch.randn(outputs, cols // 32, generator=g) * 0.1).half()
-        parts.append((int4._pack(codes.to(torch.uint8)), d, m))
-    dense = torch.cat([int4.dequantize({"w" + int4.CODES: c, "w" + int4.SCALE: d, "w" + int4.MIN: m}, "w")
-                       for c, d, m in parts])
-    return parts, dense
+    gate, up = (_q4_blocks(outputs, cols, g) for _ in range(2))
+    return [gate[0], up[0]], torch.cat([gate[2], up[2]])
 
 
 @needs_avx2

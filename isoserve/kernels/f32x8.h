@@ -28,10 +28,10 @@ inline float max_lanes8(__m256 v) {
 }
 
 // e^x on 8 lanes, cpu_ops.cpp's fast_exp steps: n = round(x / ln 2), r = x - n ln 2 in two
-// parts (Cody-Waite, so r is exact), degree-7 Taylor, times 2^n. Not fast_exp to the bit: there
-// gcc may fuse x / ln 2 with the rounding add into one FMA, and about one input in 16 million
-// then rounds to a neighbouring n. Inputs clamped to
-// [-87, 88], where 2^n stays a normal float; a NaN stays NaN.
+// parts (Cody-Waite, so r is exact), degree-7 Taylor, times 2^n. Inputs clamped to [-87, 88],
+// where 2^n stays a normal float; a NaN stays NaN. Not fast_exp to the bit: there gcc may fuse
+// x / ln 2 with the rounding add into one FMA, and about one input in 16 million then rounds to
+// a neighbouring n.
 inline __m256 exp8(__m256 x) {
   const __m256 input = x;
   x = _mm256_min_ps(_mm256_max_ps(x, _mm256_set1_ps(-87.0f)), _mm256_set1_ps(88.0f));

@@ -24,7 +24,7 @@ from __future__ import annotations
 import torch
 
 from isoserve.model.int4 import GROUP, merge
-from isoserve.model.vector_blocks import PANEL, VectorQ4Weight, VectorQ8Weight, panels, shape_fits
+from isoserve.model.vector_blocks import PANEL, VectorQ4Weight, VectorQ8Weight
 
 
 def int8_unavailable(kernels) -> str:
@@ -96,13 +96,11 @@ class Int8Q4SwigluWeight(Int8Q4Weight):
                         kernels) -> Int8Q4SwigluWeight | None:
         """From the (codes, d, m) of the gate and the up projection; None where the kernel cannot
         take the shape (two halves of whole panels)."""
-        if len(parts) != 2 or parts[0][0].shape != parts[1][0].shape:
+        if len(parts) != 2 or parts[0][0].shape != parts[1][0].shape or parts[0][0].shape[0] % PANEL:
             return None
         codes, d, m = merge(parts)
-        if not shape_fits(*codes.shape) or codes.shape[0] % (2 * PANEL):
-            return None
         order = gate_up_panel_pairs(codes.shape[0])
-        return cls(cls.layout(codes[order]), panels(d[order].float()), panels(m[order].float()), kernels)
+        return cls.from_blocks(codes[order], d[order], m[order], kernels)
 
     def matmul(self, x: torch.Tensor) -> torch.Tensor:
         raise TypeError("a SwiGLU gate-up weight gives silu(gate) * up (swiglu), not x W^T")

@@ -66,8 +66,7 @@ class LlamaModel:
             tiers = []
             if all(int4.has_companions(weights, n) for n in names):
                 tiers = q4_tiers([tuple(weights[n + s] for s in int4.COMPANIONS) for n in names],
-                                 dtype, self.ops.kernels, int4_max_rows, int8_activations,
-                                 gate_up=gate_up and bias is None)  # the kernel adds no bias
+                                 dtype, self.ops.kernels, int4_max_rows, int8_activations, gate_up=gate_up)
             return self._projection(full, bias, tiers)
 
         self.embed = w("model.embed_tokens.weight")

@@ -74,7 +74,11 @@ class VectorQ4Weight:
                         kernels) -> VectorQ4Weight | None:
         """One weight from the Q4_1 (codes, d, m) of one or more projections stacked by output
         rows (merged QKV, gate-up); None where the kernel cannot take the shape."""
-        codes, d, m = merge(parts)
+        return cls.from_blocks(*merge(parts), kernels)
+
+    @classmethod
+    def from_blocks(cls, codes: torch.Tensor, d: torch.Tensor, m: torch.Tensor, kernels) -> VectorQ4Weight | None:
+        """From merged codes [N, K] (0..15), d and m [N, K / 32]; None where the shape does not fit."""
         if not shape_fits(*codes.shape):
             return None
         return cls(cls.layout(codes), panels(d.float()), panels(m.float()), kernels)

@@ -233,7 +233,8 @@ async def _serve(args) -> int:
     # An unknown model fails here, before any worker starts. A GGUF's first start converts it
     # here, once, so that the workers read the cache instead of each converting it at once; that
     # checkpoint then serves the router too.
-    ckpt = load() if _model_or_exit("serve", args.model, lambda: conversion_needed(args.model, dtype, args.cache_dir)) else None
+    first_start = _model_or_exit("serve", args.model, lambda: conversion_needed(args.model, dtype, args.cache_dir))
+    ckpt = load() if first_start else None
     runtime_dir = Path(tempfile.mkdtemp(prefix="isoserve-"))
     listen = args.listen_workers or f"ipc://{runtime_dir}/router.sock"
     if args.cluster_secret_file:
