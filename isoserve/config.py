@@ -25,6 +25,7 @@ GUARD_NAMES = ("admission", "capacity_audit", "writer_tags", "transfer_coverage"
 DTYPES = {"bfloat16": "bfloat16", "bf16": "bfloat16", "float32": "float32", "fp32": "float32",
           "float16": "float16", "fp16": "float16"}
 DTYPE_CHOICES = ("auto", "bfloat16", "float32", "float16")  # the --dtype flags' choices
+KV_DTYPE_CHOICES = ("auto", "bfloat16", "float32", "float16")  # the --kv-dtype flags' choices
 
 
 def native_bfloat16(device: str = "cpu") -> bool:
@@ -57,6 +58,28 @@ def dtype_name(name: str | torch.dtype, device: str = "cpu") -> str:
     return str(parse_dtype(name, device)).removeprefix("torch.")
 
 
+def parse_kv_dtype(name: str | torch.dtype, dtype: str | torch.dtype, device: str = "cpu") -> torch.dtype:
+    """The KV pool's dtype, for a model run in `dtype` (as asked for: "auto" or a name).
+
+    A pool keeps the model's dtype, or bfloat16 under a float32 model: half the bytes each decode
+    step reads (decode attention waits on memory at batch 32) and twice the tokens a pool holds.
+    K and V are then rounded to bfloat16 as they are written and widened back exactly as read.
+    "auto" is the model's dtype, except where `--dtype auto` fell back to float32 on a CPU
+    without native bfloat16: the checkpoint is bfloat16 and the model runs in float32 only for
+    speed, so its KV cache stays bfloat16 too. Any other pair is refused: no kernel reads it."""
+    import torch
+
+    model = parse_dtype(dtype, device)
+    if name == "auto":
+        fell_back = dtype == "auto" and model == torch.float32 and torch.device(device).type == "cpu"
+        return torch.bfloat16 if fell_back else model
+    kv = parse_dtype(name)
+    if kv != model and not (model == torch.float32 and kv == torch.bfloat16):
+        raise ValueError(f"a {dtype_name(model)} model cannot keep its KV cache in {dtype_name(kv)}: "
+                         f"use --kv-dtype auto or {dtype_name(model)}, or bfloat16 under --dtype float32")
+    return kv
+
+
 def parse_guard_names(text: str | None) -> frozenset[str]:
     names = frozenset(n.strip() for n in (text or "").split(",") if n.strip())
     unknown = names - set(GUARD_NAMES)
@@ -69,6 +92,7 @@ def parse_guard_names(text: str | None) -> frozenset[str]:
 class EngineConfig:
     model: str = "smollm2-135m-instruct"
     dtype: str = "auto"                  # bfloat16 where the device runs it natively, else float32
+    kv_dtype: str = "auto"               # the KV pool's: the model's, or bfloat16 under float32 (parse_kv_dtype)
     device: str = "cpu"
     page_size: int = 16
     kv_tokens: int | None = None         # pool capacity in tokens ...

@@ -444,3 +444,42 @@ def test_serve_decides_dtype_auto_once_by_the_cpu_and_starts_workers_with_it():
     chosen = build_parser().parse_args(["serve", "--dtype", "bfloat16"])
     decide_dtype(chosen)
     assert chosen.dtype == "bfloat16"  # asked for by name: kept, and served on any CPU (F.linear)
+
+
+def test_serve_decides_the_kv_dtype_once_and_sizes_and_starts_workers_with_it():
+    """--kv-dtype auto is the model's dtype, but bfloat16 where --dtype auto fell back to float32
+    (the checkpoint is bfloat16; float32 only runs it faster there); a float32 model asked for
+    by name keeps float32 KV. The router plans each pool in that dtype (a memory budget holds
+    twice the tokens in bfloat16) and passes it to every worker; a pair no kernel reads is
+    refused before anything starts."""
+    from isoserve.cli import build_parser, decide_dtype
+    from isoserve.model.config import ModelConfig
+    from isoserve.server.launcher import _planned_pools, _worker_command
+
+    # (): bfloat16 KV on either CPU, under a bfloat16 model or a float32 one that fell back
+    cases = {(): "bfloat16", ("--dtype", "float32"): "float32", ("--dtype", "bfloat16"): "bfloat16",
+             ("--dtype", "float32", "--kv-dtype", "bfloat16"): "bfloat16"}
+    for flags, kv_dtype in cases.items():
+        args = build_parser().parse_args(["serve", *flags])
+        args.disabled_guards = frozenset()
+        decide_dtype(args)
+        assert args.kv_dtype == kv_dtype, flags
+        for role in ("prefill", "decode"):
+            cmd = _worker_command(args, role, 0, "ipc:///r", "ipc:///kv", 1)
+            assert cmd[cmd.index("--kv-dtype") + 1] == kv_dtype
+    config = ModelConfig(architecture="llama", vocab_size=64, hidden_size=16, intermediate_size=32,
+                         num_layers=2, num_heads=2, num_kv_heads=1, head_dim=4, rms_norm_eps=1e-5,
+                         rope_theta=10000.0, max_position_embeddings=256, tie_word_embeddings=True)
+    planned = {}
+    for kv_dtype in ("float32", "bfloat16"):
+        args = build_parser().parse_args(["serve", "--dtype", "float32", "--kv-dtype", kv_dtype,
+                                          "--prefill-kv-memory-gb", "0.001", "--decode-kv-memory-gb", "0.001"])
+        args.disabled_guards = frozenset()
+        decide_dtype(args)
+        planned[kv_dtype] = dict(_planned_pools(args, config, 256))
+    wide, narrow = planned["float32"]["decode"], planned["bfloat16"]["decode"]
+    assert wide > 0 and narrow in (2 * wide, 2 * wide + args.page_size)  # whole pages of each
+    for flags in (("--dtype", "bfloat16", "--kv-dtype", "float32"), ("--dtype", "float32", "--kv-dtype", "float16")):
+        args = build_parser().parse_args(["serve", *flags])
+        with pytest.raises(SystemExit, match="cannot keep its KV cache in"):
+            decide_dtype(args)

@@ -243,6 +243,72 @@ def test_argmax_matches_torch_with_ties_infinities_and_nan(fused, dtype, vocab):
     assert fused.argmax(logits[:0]).shape == (0,)
 
 
+# ---- A bfloat16 pool under a float32 model (--kv-dtype bfloat16, config.parse_kv_dtype) ----
+
+@pytest.mark.parametrize("dim", [16, 64, 20])
+def test_rotary_store_into_a_bfloat16_pool_rounds_k_and_v_once(fused, dim):
+    """float32 Q, K and V into a bfloat16 pool: Q as for a float32 pool; K rotated in float32
+    and V as projected, each rounded once to the nearest bfloat16, in their slots and no others;
+    the torch path (write_kv's .to()) rounds the same V to the same bits."""
+    heads, kv_heads, tokens = 4, 2, 5
+    g = torch.Generator().manual_seed(2)
+    qkv = torch.randn(tokens, (heads + 2 * kv_heads) * dim, generator=g)
+    angles = torch.rand(tokens, 1, dim, generator=g) * 6
+    cos, sin = angles.cos(), angles.sin()
+    slots = torch.tensor([3, 17, 18, 40, 0])
+    k_wide, v_wide = _caches(torch.float32, kv_heads=kv_heads, dim=dim)
+    k_narrow, v_narrow = k_wide.to(torch.bfloat16), v_wide.to(torch.bfloat16)
+    k_ref, v_ref = k_narrow.clone(), v_narrow.clone()
+    q_wide = fused.rotary_store(qkv, cos, sin, k_wide, v_wide, slots, heads)
+    q_narrow = fused.rotary_store(qkv, cos, sin, k_narrow, v_narrow, slots, heads)
+    q_ref = TorchOps.rotary_store(qkv, cos, sin, k_ref, v_ref, slots, heads)
+    assert q_narrow.dtype == torch.float32 and torch.equal(q_narrow, q_wide)
+    assert torch.equal(k_narrow, k_wide.to(torch.bfloat16)) and torch.equal(v_narrow, v_wide.to(torch.bfloat16))
+    assert torch.equal(v_narrow, v_ref)
+    _close(q_narrow, q_ref, torch.float32)
+    _close(k_narrow, k_ref, torch.bfloat16)  # the float32 rotations may differ by an FMA's rounding
+    untouched = torch.ones(k_ref.shape[1] * k_ref.shape[2], dtype=torch.bool)
+    untouched[slots] = False
+    before = _caches(torch.float32, kv_heads=kv_heads, dim=dim)[0].to(torch.bfloat16)
+    assert torch.equal(k_narrow.view(kv_heads, -1, dim)[:, untouched], before.view(kv_heads, -1, dim)[:, untouched])
+
+
+@pytest.mark.parametrize("shape", ATTENTION_SHAPES + [(12, 3, 64), (10, 2, 128), (4, 2, 20)])
+@pytest.mark.parametrize("lens", [[1], [5, 4, 13], [16, 1, 9, 30, 2, 7, 33]])
+def test_decode_attention_over_a_bfloat16_pool_is_the_float32_kernel_on_its_values(shape, lens):
+    """float32 queries over a bfloat16 pool: each key and value widened exactly, then the float32
+    kernel's arithmetic, so the output is that of the float32 kernel over the pool widened, to
+    the bit (on AVX2 kernels/vector_attention.cpp, elsewhere cpu_ops.cpp's kernel; 20 dims is
+    no multiple of either's vectors). Nothing past a sequence's length is read."""
+    q, k, v, attn = _attention_case(torch.float32, lens, shape=shape)
+    k, v = k.to(torch.bfloat16), v.to(torch.bfloat16)
+    actual = _kernel_attention(q, k, v, attn, 0.25, False)
+    assert actual.dtype == torch.float32 and not actual.isnan().any()
+    assert torch.equal(actual, _kernel_attention(q, k.float(), v.float(), attn, 0.25, False))
+    gold = _gold_attention(q, k.float(), v.float(), attn, 0.25)
+    torch.testing.assert_close(actual.double(), gold, rtol=1e-5, atol=1e-5)
+    k, v = k.nan_to_num(0.0), v.nan_to_num(0.0)  # the torch path multiplies padding by zero
+    torch.testing.assert_close(_kernel_attention(q, k, v, attn, 0.25, False),
+                               TorchOps.decode_attention(q, k, v, attn, 0.25), rtol=1e-5, atol=1e-6)
+
+
+def test_kernels_refuse_a_pool_dtype_no_kernel_reads(fused):
+    """A pool is the model's dtype, or bfloat16 under float32; any other pair is refused before
+    anything is read or written."""
+    kernels = cpu_ops()
+    q, k, v, attn = _attention_case(torch.bfloat16, [5, 6])
+    with pytest.raises(RuntimeError, match="BFloat16 model cannot use a Float KV pool"):
+        kernels.decode_attention(q, k.float(), v.float(), attn.decode_pages, attn.decode_lens, 0.25)
+    with pytest.raises(RuntimeError, match="K and V caches must share a dtype"):
+        kernels.decode_attention(q.float(), k, v.float(), attn.decode_pages, attn.decode_lens, 0.25)
+    kc, vc = _caches(torch.float32, kv_heads=2, dim=16)
+    qkv, cos = torch.zeros(2, 8 * 16, dtype=torch.bfloat16), torch.zeros(2, 1, 16, dtype=torch.bfloat16)
+    before = kc.clone()
+    with pytest.raises(RuntimeError, match="BFloat16 model cannot use a Float KV pool"):
+        kernels.rotary_store(qkv, cos, cos, kc, vc, torch.tensor([0, 1]), 4)
+    assert torch.equal(kc, before)
+
+
 def test_kernels_refuse_out_of_pool_addresses(fused):
     kernels = cpu_ops()
     q, k, v, attn = _attention_case(torch.float32, [5, 6])
@@ -286,9 +352,11 @@ def test_kernels_refuse_wrong_inputs(fused):
         kernels.argmax_rows(torch.zeros(8, 2).t())
 
 
-def test_mixed_step_fused_equals_torch_in_float32(tiny_llama_dir):
+@pytest.mark.parametrize("kv_dtype", ["float32", "bfloat16"])
+def test_mixed_step_fused_equals_torch_in_float32(tiny_llama_dir, kv_dtype):
     """A whole engine, fused vs torch ops, over steps that mix prefill chunks with decodes:
-    the same greedy tokens and logprobs to float32 rounding."""
+    the same greedy tokens and logprobs to float32 rounding, with a float32 pool and with a
+    bfloat16 one."""
     from isoserve.engine.llm import LLM
     from isoserve.engine.sampling_params import SamplingParams
 
@@ -296,8 +364,10 @@ def test_mixed_step_fused_equals_torch_in_float32(tiny_llama_dir):
     params = SamplingParams(max_tokens=12, temperature=0.0, ignore_eos=True, logprobs=0)
     results = {}
     for name, on in (("fused", True), ("torch", False)):
-        llm = LLM(model=str(tiny_llama_dir), dtype="float32", fused_kernels=on, max_batched_tokens=24)
+        llm = LLM(model=str(tiny_llama_dir), dtype="float32", kv_dtype=kv_dtype, fused_kernels=on,
+                  max_batched_tokens=24)
         assert llm.engine.model.ops.name == ("fused CPU kernels" if on else "torch ops")
+        assert llm.engine.pool.kv.dtype == getattr(torch, kv_dtype)
         results[name] = llm.generate(prompts, params)
     for fused_out, torch_out in zip(results["fused"], results["torch"]):
         assert fused_out.token_ids == torch_out.token_ids

@@ -180,6 +180,48 @@ def test_pool_capacity_is_whole_pages_read_from_the_tensor(page_size, tokens):
     assert pool.nbytes == num_pages * KVPool.page_bytes(CONFIG, page_size, torch.float32)
 
 
+@given(page_size=st.integers(1, 64), budget=st.integers(1, 2_000_000))
+def test_a_bfloat16_pool_holds_twice_the_tokens_of_a_memory_budget(page_size, budget):
+    """--kv-dtype bfloat16 under a float32 model: a budget in bytes buys whole pages of the
+    narrower slots, twice as many (give or take the page the float32 division rounds off)."""
+    wide = KVPool.pages_for(CONFIG, page_size, torch.float32, kv_memory_bytes=budget)
+    narrow = KVPool.pages_for(CONFIG, page_size, torch.bfloat16, kv_memory_bytes=budget)
+    assert narrow in (2 * wide, 2 * wide + 1)
+    assert narrow * KVPool.page_bytes(CONFIG, page_size, torch.bfloat16) <= budget
+    if narrow:
+        pool = KVPool(CONFIG, narrow, page_size, torch.bfloat16, "meta")
+        assert pool.slot_bytes == CONFIG.kv_bytes_per_token(2) and pool.nbytes <= budget
+
+
+def test_a_transfer_between_pools_of_different_dtypes_is_refused_before_any_write():
+    """The manifest names the sender's pool dtype: a decode worker started with another
+    --kv-dtype refuses the bytes (they would be another shape of number), and writes nothing."""
+    from isoserve.disagg.manifest import TransferRejected, build_manifest, verify_transfer, write_transfer
+    from isoserve.engine.sequence import Sequence
+
+    def sequence(pool, tag):  # a prompt of 7 tokens in pages 1 and 0
+        return Sequence("r", tag, list(range(7)), SamplingParams(), 0, output_token_ids=[1], pages=[1, 0],
+                        page_epochs=[int(pool.epoch[1]), int(pool.epoch[0])], num_computed=7)
+
+    sender = KVPool(CONFIG, 2, 4, torch.float32)
+    sender.kv.normal_()
+    manifest, frames = build_manifest(sender, sequence(sender, 1), None, 0.0)
+    assert manifest.kv_dtype == "float32"
+    for dtype in (torch.bfloat16, torch.float32):
+        receiver = KVPool(CONFIG, 2, 4, dtype)
+        seq = sequence(receiver, 2)
+        if dtype == torch.bfloat16:
+            with pytest.raises(TransferRejected) as refused:
+                verify_transfer(manifest, frames, seq, receiver)
+            assert refused.value.reason == "kv_dtype"
+            assert not receiver.kv.any() and not receiver.writer.any()
+            continue
+        verify_transfer(manifest, frames, seq, receiver)
+        write_transfer(manifest, frames, seq, receiver)
+        assert torch.equal(receiver.read_page(1, 4), sender.read_page(1, 4))
+        assert torch.equal(receiver.read_page(0, 3), sender.read_page(0, 3))
+
+
 # ---- the read guard ------------------------------------------------------------------------
 
 @st.composite

@@ -99,6 +99,34 @@ def test_openai_client_completions_chat_stream_and_logprobs(disagg, tenants, mod
     assert "".join(ch.choices[0].delta.content or "" for ch in chunks if ch.choices) == want.text
 
 
+def test_a_bfloat16_kv_cache_under_float32_serves_what_llm_generate_gives(tmp_path, tenants, model):
+    """--dtype float32 --kv-dtype bfloat16, disaggregated: each prompt's KV crosses from the
+    prefill worker's bfloat16 pool to the decode worker's, and every tenant gets what
+    LLM.generate with a bfloat16 pool gives, texts and logprobs. Each worker's log names its
+    pool's dtype, and the transfers moved bfloat16 pages (half a float32 page's bytes)."""
+    reference = LLM(model=model, dtype="float32", kv_dtype="bfloat16", kv_tokens=4096)
+    with running_server(tmp_path, "--model", model, "--dtype", "float32", "--kv-dtype", "bfloat16",
+                        "--prefill-kv-tokens", "4096", "--decode-kv-tokens", "4096",
+                        "--tenants", str(tenants[0])) as server:
+        for prompt, name in zip(PROMPTS, ["alice", "bob", "carol", "alice", "bob"]):
+            want = reference.generate(prompt, SamplingParams(max_tokens=24, temperature=0, ignore_eos=True,
+                                                             logprobs=0))[0]
+            r = client(server, tenants[1][name]).completions.create(
+                model=model, prompt=prompt, max_tokens=24, temperature=0, logprobs=0, extra_body={"ignore_eos": True})
+            assert r.choices[0].text == want.text
+            assert r.choices[0].logprobs.token_logprobs == pytest.approx([lp.logprob for lp in want.logprobs], abs=1e-4)
+        metrics = server.metrics()
+        log = server.log()
+    assert log.count("MiB, bfloat16)") == 2, log  # the prefill and the decode worker's pools
+    assert "KV cache bfloat16" in log
+    moved = sum(float(line.split()[-1]) for line in metrics.splitlines()
+                if line.startswith("isoserve_kv_transfer_bytes_total"))
+    slot_bytes = reference.engine.pool.slot_bytes
+    prompt_tokens = sum(len(reference.tokenizer.encode(p)) for p in PROMPTS)
+    assert slot_bytes == reference.engine.model_config.kv_bytes_per_token(2)
+    assert moved == prompt_tokens * slot_bytes
+
+
 def test_disaggregated_equals_aggregated_and_llm_generate(tmp_path, disagg, tenants, model, reference):
     key = tenants[1]["bob"]
     with running_server(tmp_path, "--model", model, "--dtype", "float32", "--mode", "aggregated",

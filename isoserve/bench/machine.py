@@ -78,7 +78,7 @@ def run_header(args, model: str) -> dict:
     from datetime import datetime, timezone
     return {"label": args.label or "",
             "date": datetime.now(timezone.utc).isoformat(timespec="seconds"),
-            "model": model, "dtype": args.dtype, "torch_threads": torch.get_num_threads(),
+            "model": model, "dtype": args.dtype, "kv_dtype": args.kv_dtype, "torch_threads": torch.get_num_threads(),
             "device": args.device,
             "gpu": torch.cuda.get_device_name() if args.device.startswith("cuda") else None,
             "fused_kernels": args.fused_kernels, "int8_activations": args.int8_activations,

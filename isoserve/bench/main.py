@@ -10,6 +10,8 @@ from __future__ import annotations
 import argparse
 import os
 
+from isoserve.config import KV_DTYPE_CHOICES
+
 
 def _int_list(text: str) -> list[int]:
     values = [int(v) for v in text.split(",") if v.strip()]
@@ -55,6 +57,9 @@ def add_arguments(p: argparse.ArgumentParser) -> None:
     offline.add_argument("--dtype", default="auto", choices=["auto", "bfloat16", "float32"],
                          help="auto (default): bfloat16 where the CPU computes in it natively, else float32; "
                               "the peers run in the same dtype")
+    offline.add_argument("--kv-dtype", default="auto", choices=KV_DTYPE_CHOICES,
+                         help="isoserve's KV cache (see `isoserve serve --help`; offline, roofline and "
+                              "prefill modes); the peers keep theirs in --dtype")
     offline.add_argument("--device", default="cpu",
                          help="cpu (default) or cuda: where both isoserve and its peers run (offline mode)")
     offline.add_argument("--batch", type=_int_list, default=[1, 8, 32], metavar="B[,B...]",

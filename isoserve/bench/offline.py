@@ -67,7 +67,8 @@ def run_offline(args) -> dict:
     # and recompute, and the benchmark would time that instead of the engine.
     largest, page = max(args.batch), EngineConfig.page_size
     per_sequence = -(-(args.prompt_tokens + args.output_tokens) // page) * page
-    llm = LLM(model=model, dtype=args.dtype, device=args.device, fused_kernels=args.fused_kernels,
+    llm = LLM(model=model, dtype=args.dtype, kv_dtype=args.kv_dtype, device=args.device,
+              fused_kernels=args.fused_kernels,
               int8_activations=args.int8_activations,
               kv_tokens=largest * per_sequence, max_num_seqs=max(EngineConfig.max_num_seqs, largest))
     chosen = build_peers(args.peers, model, args.dtype, llm)

@@ -69,7 +69,7 @@ def run_prefill(args) -> dict:
 
     model = args.model or "smollm2-135m-instruct"
     n = args.prompt_tokens
-    llm = LLM(model=model, dtype=args.dtype, fused_kernels=args.fused_kernels,
+    llm = LLM(model=model, dtype=args.dtype, kv_dtype=args.kv_dtype, fused_kernels=args.fused_kernels,
               int8_activations=args.int8_activations)
     prompts = prompt_ids(llm.tokenizer, args.repeats + 1, n, args.seed)  # [0] warms up
     peers = {"isoserve": lambda p: _time_isoserve(llm, p)}

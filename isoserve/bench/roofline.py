@@ -219,9 +219,10 @@ def run_roofline(args) -> dict:
     bar.update()
 
     costs = model_costs(cfg, ckpt.weights, dtype)
-    engine = Engine(EngineConfig(model=model, dtype=args.dtype, max_num_seqs=max(64, max(batches)),
+    engine = Engine(EngineConfig(model=model, dtype=args.dtype, kv_dtype=args.kv_dtype, max_num_seqs=max(64, max(batches)),
                                  fused_kernels=args.fused_kernels, int8_activations=args.int8_activations),
                     checkpoint=ckpt)
+    costs["kv_bytes_per_token"] = engine.pool.slot_bytes  # in the pool's dtype, which may be narrower
     prompts = prompt_ids(engine.tokenizer, max(batches), args.prompt_tokens, args.seed)
     measure_decode_steps(engine, prompts[:2], 3)  # warm-up
     # The measured steps run from prompt + 1 to prompt + output - 1 tokens of context.

@@ -17,6 +17,7 @@ import numpy as np
 import torch
 
 from isoserve import failpoints
+from isoserve.config import dtype_name
 from isoserve.engine.sequence import Sequence
 from isoserve.kv.pool import KVPool
 
@@ -42,6 +43,7 @@ class Manifest:
     request_id: str
     num_tokens: int
     page_size: int
+    kv_dtype: str              # the sender's pool dtype ("bfloat16", "float32"): the bytes' meaning
     pages: list[PageRecord]
     first_token: int
     first_logprob: dict | None  # {"logprob": float, "top": [[token, logprob], ...]}
@@ -84,7 +86,8 @@ def build_manifest(pool: KVPool, seq: Sequence, first_logprob: dict | None, sent
                                   checksum(frame)))
         frames.append(frame)
     first = seq.output_token_ids[0]
-    return Manifest(seq.request_id, n, size, records, first, first_logprob, sent_at, following), frames
+    return Manifest(seq.request_id, n, size, dtype_name(pool.kv.dtype), records, first, first_logprob, sent_at,
+                    following), frames
 
 
 def verify_transfer(manifest: Manifest, frames: list, seq: Sequence, pool: KVPool, *,
@@ -95,6 +98,8 @@ def verify_transfer(manifest: Manifest, frames: list, seq: Sequence, pool: KVPoo
     prompt_len = len(seq.prompt_token_ids)  # from the router, never from the sender
     if manifest.page_size != size:
         raise TransferRejected("page_size", f"sender pages hold {manifest.page_size} tokens, ours {size}")
+    if manifest.kv_dtype != dtype_name(pool.kv.dtype):
+        raise TransferRejected("kv_dtype", f"sender's KV is {manifest.kv_dtype}, our pool's {dtype_name(pool.kv.dtype)}")
     if len(frames) != len(manifest.pages):
         raise TransferRejected("frames", f"{len(frames)} payload frames for {len(manifest.pages)} pages")
     if check_coverage:

@@ -25,7 +25,7 @@ import zmq
 
 from isoserve import failpoints
 from isoserve.admission import check_prompt_fits
-from isoserve.config import EngineConfig
+from isoserve.config import EngineConfig, dtype_name
 from isoserve.disagg.cores import TURN_POLL_MS, CoreShare, StepCores
 from isoserve.disagg.roles import AggregatedRole, DecodeRole, PrefillRole, Role
 from isoserve.disagg.wire import Signer, Unauthenticated
@@ -102,6 +102,7 @@ class Worker:
         e = self.engine
         return {"worker_id": self.id, "role": self.opts.role, "pid": os.getpid(),
                 "host": socket.gethostname(), "model": e.model_name, "dtype": e.config.dtype,
+                "kv_dtype": dtype_name(e.pool.kv.dtype),
                 "page_size": e.pool.page_size, "pool_tokens": e.capacity_tokens,
                 "pool_pages": e.pool.num_pages, "context_length": e.context_length,
                 "kv_endpoint": self.opts.kv_endpoint}

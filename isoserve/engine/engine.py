@@ -13,7 +13,7 @@ from collections import Counter
 from dataclasses import dataclass, field
 
 from isoserve.admission import check_prompt_fits, effective_prompt_limit
-from isoserve.config import EngineConfig, dtype_name, parse_dtype
+from isoserve.config import EngineConfig, dtype_name, parse_dtype, parse_kv_dtype
 from isoserve.engine.runner import ModelRunner
 from isoserve.engine.sampling_params import SamplingParams
 from isoserve.engine.scheduler import Scheduler
@@ -53,6 +53,7 @@ class Engine:
     def __init__(self, config: EngineConfig, checkpoint: Checkpoint | None = None):
         self.config = config
         dtype = parse_dtype(config.dtype, config.device)
+        kv_dtype = parse_kv_dtype(config.kv_dtype, config.dtype, config.device)
         t0 = time.perf_counter()
         ckpt = checkpoint or load_checkpoint(config.model, dtype, cache_dir=config.cache_dir)
         self.model_name = ckpt.name
@@ -63,9 +64,9 @@ class Engine:
         self.context_length = config.context_length or model_context
         if self.context_length > model_context:
             raise ValueError(f"context length {self.context_length} exceeds the model's {model_context}")
-        num_pages = KVPool.pages_for(ckpt.config, config.page_size, dtype,
+        num_pages = KVPool.pages_for(ckpt.config, config.page_size, kv_dtype,
                                      **config.pool_tokens_request(self.context_length))
-        self.pool = KVPool(ckpt.config, num_pages, config.page_size, dtype, config.device)
+        self.pool = KVPool(ckpt.config, num_pages, config.page_size, kv_dtype, config.device)
         self.allocator = PageAllocator(self.pool, scrub_freed_pages=config.scrub_freed_pages)
         self.model = LlamaModel(ckpt.config, ckpt.weights, dtype, config.device,
                                 max_positions=self.context_length, int4_max_rows=config.int4_max_rows,
@@ -83,8 +84,9 @@ class Engine:
         self._arrivals = itertools.count()
         self._pending_outputs: list[RequestOutput] = []
         log.info("engine ready: model=%s dtype=%s device=%s pool=%d pages x %d tokens = %d tokens "
-                 "(%.1f MiB) context=%d quantized=%s layers=%s (%.1fs)", self.model_name, dtype_name(dtype), config.device,
-                 num_pages, config.page_size, self.pool.capacity_tokens, self.pool.nbytes / 2**20,
+                 "(%.1f MiB, %s) context=%d quantized=%s layers=%s (%.1fs)", self.model_name, dtype_name(dtype),
+                 config.device, num_pages, config.page_size, self.pool.capacity_tokens, self.pool.nbytes / 2**20,
+                 dtype_name(kv_dtype),
                  self.context_length, self._quantized_summary(), self._ops_summary(),
                  time.perf_counter() - t0)
 

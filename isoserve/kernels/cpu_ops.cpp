@@ -31,8 +31,11 @@
 #include <immintrin.h>
 #endif
 
-// vector_attention.cpp
+// vector_attention.cpp: a float32 pool, and a bfloat16 one (its bits as uint16_t)
 bool vector_decode_attention(const float* q, const float* kc, const float* vc, const int64_t* pages,
+                             const int64_t* lens, float* out, int64_t batch, int64_t heads, int64_t kv_heads,
+                             int64_t num_pages, int64_t page_size, int64_t dim, int64_t width, float scale);
+bool vector_decode_attention(const float* q, const uint16_t* kc, const uint16_t* vc, const int64_t* pages,
                              const int64_t* lens, float* out, int64_t batch, int64_t heads, int64_t kv_heads,
                              int64_t num_pages, int64_t page_size, int64_t dim, int64_t width, float scale);
 
@@ -248,6 +251,28 @@ torch::Tensor silu_mul(const torch::Tensor& gate_up) {
   return out;
 }
 
+// ---- The pool's dtype -------------------------------------------------------------------------
+// The pool dtypes a model dtype reads and writes: its own, and bfloat16 under float32 (half the
+// bytes a decode step reads, twice the tokens a pool holds; config.parse_kv_dtype).
+void check_kv_dtype(at::ScalarType model, at::ScalarType kv) {
+  TORCH_CHECK(kv == model || (model == at::kFloat && kv == at::kBFloat16),
+              "a ", c10::toString(model), " model cannot use a ", c10::toString(kv), " KV pool");
+}
+
+// Runs fn with scalar_t (the model's dtype) and kv_t (the pool's), for the pairs check_kv_dtype allows.
+#define ISOSERVE_DISPATCH_KV(model, kv, ...)                            \
+  check_kv_dtype(model, kv);                                            \
+  if ((model) == at::kFloat && (kv) == at::kBFloat16) {                 \
+    using scalar_t = float;                                             \
+    using kv_t = c10::BFloat16;                                         \
+    __VA_ARGS__();                                                      \
+  } else {                                                              \
+    ISOSERVE_DISPATCH(model, [&] {                                      \
+      using kv_t = scalar_t;                                            \
+      __VA_ARGS__();                                                    \
+    });                                                                 \
+  }
+
 // ---- RoPE + KV write --------------------------------------------------------------------------
 // qkv [T, (H + 2 Hkv) D] from the merged projection. Rotates Q and K (x * cos + rotate_half(x)
 // * sin, each product and the sum rounded), returns Q as [T, H, D] and writes K and V into the
@@ -278,19 +303,30 @@ inline void rotate(const T* x, const T* c, const T* s, T* out, int64_t dim) {
     out[d] = static_cast<T>(round_to<T>(f32(x[d]) * f32(c[d])) + round_to<T>(f32(x[d - half]) * f32(s[d])));
 }
 
-template <typename T>
-void rotary_rows(const T* qkv, const T* cos, const T* sin, const int64_t* slot, T* q, T* kc, T* vc,
+// The pool's dtype KV may be narrower than the model's T (bfloat16 under float32): K is
+// rotated in T, then each element rounded to KV (to nearest even, as torch's .to() does).
+template <typename T, typename KV>
+void rotary_rows(const T* qkv, const T* cos, const T* sin, const int64_t* slot, T* q, KV* kc, KV* vc,
                  int64_t tokens, int64_t heads, int64_t kv_heads, int64_t dim, int64_t cache_slots) {
   const int64_t width = (heads + 2 * kv_heads) * dim;
   at::parallel_for(0, tokens, 1, [&](int64_t begin, int64_t end) {
+    std::vector<T> rotated(std::is_same_v<T, KV> ? 0 : dim);
     for (int64_t t = begin; t < end; ++t) {
       const T* row = qkv + t * width;
       const T* c = cos + t * dim;
       const T* s = sin + t * dim;
       for (int64_t h = 0; h < heads; ++h) rotate(row + h * dim, c, s, q + (t * heads + h) * dim, dim);
       for (int64_t h = 0; h < kv_heads; ++h) {
-        rotate(row + (heads + h) * dim, c, s, kc + (h * cache_slots + slot[t]) * dim, dim);
-        std::copy_n(row + (heads + kv_heads + h) * dim, dim, vc + (h * cache_slots + slot[t]) * dim);
+        KV* key = kc + (h * cache_slots + slot[t]) * dim;
+        KV* value = vc + (h * cache_slots + slot[t]) * dim;
+        const T* v = row + (heads + kv_heads + h) * dim;
+        if constexpr (std::is_same_v<T, KV>) {
+          rotate(row + (heads + h) * dim, c, s, key, dim);
+          std::copy_n(v, dim, value);
+        } else {
+          rotate(row + (heads + h) * dim, c, s, rotated.data(), dim);
+          for (int64_t d = 0; d < dim; ++d) key[d] = static_cast<KV>(f32(rotated[d])), value[d] = static_cast<KV>(f32(v[d]));
+        }
       }
     }
   });
@@ -316,16 +352,16 @@ torch::Tensor rotary_store(const torch::Tensor& qkv, const torch::Tensor& cos, c
   TORCH_CHECK(cos.numel() == tokens * dim && sin.numel() == tokens * dim && slots.numel() == tokens,
               "cos, sin and slots must have one row per token");
   const auto dtype = qkv.scalar_type();
-  TORCH_CHECK(cos.scalar_type() == dtype && sin.scalar_type() == dtype && k_cache.scalar_type() == dtype &&
-              v_cache.scalar_type() == dtype, "qkv, cos, sin and the caches must share a dtype");
+  TORCH_CHECK(cos.scalar_type() == dtype && sin.scalar_type() == dtype, "qkv, cos and sin must share a dtype");
+  TORCH_CHECK(v_cache.scalar_type() == k_cache.scalar_type(), "the K and V caches must share a dtype");
   const int64_t* slot = slots.data_ptr<int64_t>();
   for (int64_t t = 0; t < tokens; ++t)
     TORCH_CHECK(slot[t] >= 0 && slot[t] < cache_slots, "KV slot ", slot[t], " is outside the pool");
   auto q = torch::empty({tokens, heads, dim}, qkv.options());
-  ISOSERVE_DISPATCH(dtype, [&] {
-    rotary_rows<scalar_t>(qkv.data_ptr<scalar_t>(), cos.data_ptr<scalar_t>(), sin.data_ptr<scalar_t>(),
-                          slot, q.data_ptr<scalar_t>(), k_cache.data_ptr<scalar_t>(),
-                          v_cache.data_ptr<scalar_t>(), tokens, heads, kv_heads, dim, cache_slots);
+  ISOSERVE_DISPATCH_KV(dtype, k_cache.scalar_type(), [&] {
+    rotary_rows<scalar_t, kv_t>(qkv.data_ptr<scalar_t>(), cos.data_ptr<scalar_t>(), sin.data_ptr<scalar_t>(),
+                                slot, q.data_ptr<scalar_t>(), k_cache.data_ptr<kv_t>(),
+                                v_cache.data_ptr<kv_t>(), tokens, heads, kv_heads, dim, cache_slots);
   });
   return q;
 }
@@ -420,21 +456,22 @@ inline void prefetch_share(const void* page, int64_t share, int64_t per, int64_t
   for (int64_t l = share * per; l < std::min((share + 1) * per, lines); ++l) __builtin_prefetch(p + l * 64, 0, Locality);
 }
 
-// Values in pairs of dims (the loop below): bfloat16 with a fixed, even number of chunks.
-template <typename T, int C>
-constexpr bool kPairedValues = std::is_same_v<T, c10::BFloat16> && C > 0 && C % 2 == 0;
+// Values in pairs of dims (the loop below): a bfloat16 pool with a fixed, even number of chunks.
+template <typename KV, int C>
+constexpr bool kPairedValues = std::is_same_v<KV, c10::BFloat16> && C > 0 && C % 2 == 0;
 
 // One (sequence, KV head) task. C and G, when not 0, fix the number of 16-float chunks in a head
 // and the query heads per KV head at compile time: the loops over them unroll and the query and
 // accumulator vectors stay in registers. 0 takes them from the shapes at run time. DOT scores
-// with the bfloat16 dot product above (bfloat16, C a multiple of 2, and a CPU that has it).
-template <typename T, int C, int G, bool DOT = false>
-void attend(const T* q, const T* kc, const T* vc, const int64_t* pages, const int64_t* lens, T* out,
+// with the bfloat16 dot product above (bfloat16, C a multiple of 2, and a CPU that has it). KV is
+// the pool's dtype: T, or bfloat16 under float32 (check_kv_dtype).
+template <typename T, typename KV, int C, int G, bool DOT = false>
+void attend(const T* q, const KV* kc, const KV* vc, const int64_t* pages, const int64_t* lens, T* out,
             int64_t heads, int64_t kv_heads, int64_t num_pages, int64_t page_size, int64_t dim,
             int64_t width, float scale, int64_t begin, int64_t end) {
   const int64_t chunks = C ? C : (dim + kBlock - 1) / kBlock, group = G ? G : heads / kv_heads;
   const int64_t page_stride = page_size * dim, head_stride = num_pages * page_stride;
-  const int64_t page_lines = (page_stride * static_cast<int64_t>(sizeof(T)) + 63) / 64;
+  const int64_t page_lines = (page_stride * static_cast<int64_t>(sizeof(KV)) + 63) / 64;
   const int64_t lines_per_key = (page_lines + page_size - 1) / page_size;
   std::vector<vfloat16> q_any(C ? 0 : group * chunks), acc_any(C ? 0 : group * chunks),
       parts_any(C ? 0 : group * kBlock);
@@ -465,8 +502,8 @@ void attend(const T* q, const T* kc, const T* vc, const int64_t* pages, const in
     // dotted with every query head of the group.
     const int64_t padded = (len + kBlock - 1) / kBlock * kBlock;
     scores.resize(group * padded);
-    const T* k_head = kc + h * head_stride;
-    const T* v_head = vc + h * head_stride;
+    const KV* k_head = kc + h * head_stride;
+    const KV* v_head = vc + h * head_stride;
     const int64_t pages_read = (len + page_size - 1) / page_size;
     int64_t page = 0, slot = 0;
     for (int64_t start = 0; start < len; start += kBlock) {
@@ -476,7 +513,7 @@ void attend(const T* q, const T* kc, const T* vc, const int64_t* pages, const in
           for (int64_t g = 0; g < group; ++g) parts[g * kBlock + s] = vfloat16{};
           continue;
         }
-        const T* key = k_head + table[page] * page_stride + slot * dim;
+        const KV* key = k_head + table[page] * page_stride + slot * dim;
         // A sequence's pages lie anywhere in the pool, so the hardware prefetcher cannot guess
         // the next one. With each key comes its share of the next page's keys (into L1, read
         // next) and of this page's values (into L2, for the second pass). Issued all at once at
@@ -488,7 +525,7 @@ void attend(const T* q, const T* kc, const T* vc, const int64_t* pages, const in
         if (++slot == page_size) slot = 0, ++page;
 #if defined(__AVX512BF16__)
         if constexpr (DOT) {
-          static_assert(std::is_same_v<T, c10::BFloat16> && C % 2 == 0 && C > 0);
+          static_assert(std::is_same_v<T, c10::BFloat16> && std::is_same_v<KV, T> && C % 2 == 0 && C > 0);
           for (int64_t p = 0; p < C / 2; ++p) {
             const __m512bh k = load_bf16_pairs(key + p * 2 * kBlock);
             for (int64_t g = 0; g < G; ++g) {
@@ -534,7 +571,7 @@ void attend(const T* q, const T* kc, const T* vc, const int64_t* pages, const in
     }
     // Values: each converted once, added into every query head's sum with its weight.
     for (int64_t i = 0; i < group * chunks; ++i) acc[i] = vfloat16{};
-    if constexpr (kPairedValues<T, C>) {
+    if constexpr (kPairedValues<KV, C>) {
       // bfloat16 values read 32 at a time as 16 words: a word's high half is the odd dim's
       // float32 with its low half cleared, its low half shifted up the even dim's. Two
       // instructions per 32 dims where widening 16 at a time takes four; each dim's sum is
@@ -542,7 +579,7 @@ void attend(const T* q, const T* kc, const T* vc, const int64_t* pages, const in
       // acc[g * C + 2 p] holds dims 32 p + 2 i, acc[g * C + 2 p + 1] dims 32 p + 2 i + 1.
       for (int64_t start = 0, p = 0; start < len; start += page_size, ++p) {
         const int64_t n = std::min(page_size, len - start);
-        const T* values = v_head + table[p] * page_stride;
+        const KV* values = v_head + table[p] * page_stride;
         for (int64_t s = 0; s < n; ++s)
           for (int64_t c = 0; c < C / 2; ++c) {
             vword16 words;
@@ -572,7 +609,7 @@ void attend(const T* q, const T* kc, const T* vc, const int64_t* pages, const in
     }
     for (int64_t start = 0, p = 0; start < len; start += page_size, ++p) {
       const int64_t n = std::min(page_size, len - start);
-      const T* values = v_head + table[p] * page_stride;
+      const KV* values = v_head + table[p] * page_stride;
       for (int64_t s = 0; s < n; ++s)
         for (int64_t c = 0; c < chunks; ++c) {
           const vfloat16 v = load_chunk(values + s * dim, c, dim);
@@ -591,16 +628,21 @@ void attend(const T* q, const T* kc, const T* vc, const int64_t* pages, const in
   }
 }
 
-template <typename T>
-void decode_attention_impl(const T* q, const T* kc, const T* vc, const int64_t* pages,
+template <typename T, typename KV>
+void decode_attention_impl(const T* q, const KV* kc, const KV* vc, const int64_t* pages,
                            const int64_t* lens, T* out, int64_t batch, int64_t heads,
                            int64_t kv_heads, int64_t num_pages, int64_t page_size, int64_t dim,
                            int64_t width, float scale, bool bf16_dot) {
   const int64_t group = heads / kv_heads;
-  if constexpr (std::is_same_v<T, float>) {
+  // float32 on AVX2 (vector_attention.cpp), where this kernel's 16-float vectors spill
+  if constexpr (std::is_same_v<T, float> && std::is_same_v<KV, float>) {
     if (vector_decode_attention(q, kc, vc, pages, lens, out, batch, heads, kv_heads, num_pages, page_size, dim,
                                 width, scale))
-      return;  // float32 on AVX2 (vector_attention.cpp), where this kernel's 16-float vectors spill
+      return;
+  } else if constexpr (std::is_same_v<T, float>) {
+    if (vector_decode_attention(q, reinterpret_cast<const uint16_t*>(kc), reinterpret_cast<const uint16_t*>(vc),
+                                pages, lens, out, batch, heads, kv_heads, num_pages, page_size, dim, width, scale))
+      return;
   }
   at::parallel_for(0, batch * kv_heads, 1, [&](int64_t begin, int64_t end) {
     // The default model's shape (SmolLM2: 64-wide heads, 3 query heads per KV head) runs
@@ -610,11 +652,11 @@ void decode_attention_impl(const T* q, const T* kc, const T* vc, const int64_t* 
     // of the default model, where reading the KV from memory bounds the kernel.
     constexpr bool dot = std::is_same_v<T, c10::BFloat16> && kHaveBf16Dot;
     if (dot && bf16_dot && dim == 64 && group == 3)
-      attend<T, 4, 3, dot>(q, kc, vc, pages, lens, out, heads, kv_heads, num_pages, page_size, dim, width, scale, begin, end);
+      attend<T, KV, 4, 3, dot>(q, kc, vc, pages, lens, out, heads, kv_heads, num_pages, page_size, dim, width, scale, begin, end);
     else if (dim == 64 && group == 3)
-      attend<T, 4, 3>(q, kc, vc, pages, lens, out, heads, kv_heads, num_pages, page_size, dim, width, scale, begin, end);
+      attend<T, KV, 4, 3>(q, kc, vc, pages, lens, out, heads, kv_heads, num_pages, page_size, dim, width, scale, begin, end);
     else
-      attend<T, 0, 0>(q, kc, vc, pages, lens, out, heads, kv_heads, num_pages, page_size, dim, width, scale, begin, end);
+      attend<T, KV, 0, 0>(q, kc, vc, pages, lens, out, heads, kv_heads, num_pages, page_size, dim, width, scale, begin, end);
   });
 }
 
@@ -629,8 +671,7 @@ torch::Tensor decode_attention(const torch::Tensor& q, const torch::Tensor& k_ca
   TORCH_CHECK(q.dim() == 3, "q must be [batch, heads, head_dim]");
   TORCH_CHECK(k_cache.dim() == 4 && v_cache.sizes() == k_cache.sizes(),
               "caches must be [kv_heads, pages, page_size, head_dim]");
-  TORCH_CHECK(q.scalar_type() == k_cache.scalar_type() && q.scalar_type() == v_cache.scalar_type(),
-              "q and the caches must share a dtype");
+  TORCH_CHECK(v_cache.scalar_type() == k_cache.scalar_type(), "the K and V caches must share a dtype");
   const int64_t batch = q.size(0), heads = q.size(1), dim = q.size(2);
   const int64_t kv_heads = k_cache.size(0), num_pages = k_cache.size(1), page_size = k_cache.size(2);
   TORCH_CHECK(k_cache.size(3) == dim, "q and the caches disagree on head_dim");
@@ -644,11 +685,11 @@ torch::Tensor decode_attention(const torch::Tensor& q, const torch::Tensor& k_ca
   for (int64_t b = 0; b < batch; ++b)
     isoserve::check_page_reads(table + b * width, width, len[b], 1, page_size, num_pages, "sequence", b);
   auto out = torch::empty_like(q);
-  ISOSERVE_DISPATCH(q.scalar_type(), [&] {
-    decode_attention_impl<scalar_t>(q.data_ptr<scalar_t>(), k_cache.data_ptr<scalar_t>(),
-                                   v_cache.data_ptr<scalar_t>(), table, len, out.data_ptr<scalar_t>(),
-                                   batch, heads, kv_heads, num_pages, page_size, dim, width,
-                                   static_cast<float>(scale), bf16_dot);
+  ISOSERVE_DISPATCH_KV(q.scalar_type(), k_cache.scalar_type(), [&] {
+    decode_attention_impl<scalar_t, kv_t>(q.data_ptr<scalar_t>(), k_cache.data_ptr<kv_t>(),
+                                         v_cache.data_ptr<kv_t>(), table, len, out.data_ptr<scalar_t>(),
+                                         batch, heads, kv_heads, num_pages, page_size, dim, width,
+                                         static_cast<float>(scale), bf16_dot);
   });
   return out;
 }

@@ -1,6 +1,9 @@
 // Decode attention in float32 on AVX2: one query token per sequence over its pages in place,
 // for a CPU without AVX-512 (cpu_ops.cpp's decode_attention calls it there, for float32 with a
-// head of a multiple of 8 dims; its own kernel takes every other case).
+// head of a multiple of 8 dims; its own kernel takes every other case). The pool is float32 or
+// bfloat16 (--kv-dtype): a bfloat16 key or value is widened exactly as it is loaded (load8), so
+// the arithmetic is the same; at batch 32 over a worker's pool that halves what the kernel waits
+// for (docs/benchmarks.md).
 //
 // Why its own kernel: cpu_ops.cpp's is written on 16-float vectors for AVX-512's 32 registers.
 // On AVX2 each of those is two of sixteen 8-float registers, and the query heads, their partial
@@ -39,11 +42,20 @@ using namespace isoserve;
 constexpr int64_t kKeyBlock = 8;  // keys whose scores one fold produces
 constexpr int64_t kPrefetchKeys = 16;
 
-// Key `t + kPrefetchKeys` into L1 and value `t` into L2, a cache line of 16 floats at a time.
-inline void prefetch_key(const float* k_head, const float* v_head, const int64_t* key_at, int64_t t, int64_t dim) {
+// Eight KV elements as float32: a float32 pool's as they are; a bfloat16 pool's (its bits, as
+// uint16_t) widened, since a bfloat16 is the top half of a float32.
+inline __m256 load8(const float* p) { return _mm256_loadu_ps(p); }
+inline __m256 load8(const uint16_t* p) {
+  const __m128i half = _mm_loadu_si128(reinterpret_cast<const __m128i*>(p));
+  return _mm256_castsi256_ps(_mm256_slli_epi32(_mm256_cvtepu16_epi32(half), 16));
+}
+
+// Key `t + kPrefetchKeys` into L1 and value `t` into L2, a cache line at a time.
+template <typename KV>
+inline void prefetch_key(const KV* k_head, const KV* v_head, const int64_t* key_at, int64_t t, int64_t dim) {
   const char* ahead = reinterpret_cast<const char*>(k_head + key_at[t + kPrefetchKeys]);
   const char* value = reinterpret_cast<const char*>(v_head + key_at[t]);
-  for (int64_t l = 0; l < dim * 4; l += 64) {
+  for (int64_t l = 0; l < dim * static_cast<int64_t>(sizeof(KV)); l += 64) {
     _mm_prefetch(ahead + l, _MM_HINT_T0);
     _mm_prefetch(value + l, _MM_HINT_T1);
   }
@@ -51,12 +63,12 @@ inline void prefetch_key(const float* k_head, const float* v_head, const int64_t
 
 // Scores of keys k0 and k1 (k1 may be k0 when only one is real) against GT query heads, as
 // 8-lane partial sums parts[g * 8 + slot]: each 8 dims of a head are loaded once for both keys.
-template <int GT>
-inline void score_pair(const float* q, int64_t dim, const float* k0, const float* k1, __m256* parts, int64_t slot) {
+template <int GT, typename KV>
+inline void score_pair(const float* q, int64_t dim, const KV* k0, const KV* k1, __m256* parts, int64_t slot) {
   __m256 a0[GT], a1[GT];
   for (int g = 0; g < GT; ++g) a0[g] = a1[g] = _mm256_setzero_ps();
   for (int64_t d = 0; d < dim; d += 8) {
-    const __m256 x0 = _mm256_loadu_ps(k0 + d), x1 = _mm256_loadu_ps(k1 + d);
+    const __m256 x0 = load8(k0 + d), x1 = load8(k1 + d);
     for (int g = 0; g < GT; ++g) {
       const __m256 qg = _mm256_loadu_ps(q + g * dim + d);
       a0[g] = _mm256_fmadd_ps(qg, x0, a0[g]);
@@ -68,8 +80,8 @@ inline void score_pair(const float* q, int64_t dim, const float* k0, const float
 
 // Scores of keys [0, len) for the tile's GT query heads into scores[g * padded + key]; the
 // first tile of a task prefetches (key_at has kPrefetchKeys entries past len, repeating the last).
-template <int GT>
-void score_heads(const float* q, int64_t dim, const float* k_head, const float* v_head, const int64_t* key_at,
+template <int GT, typename KV>
+void score_heads(const float* q, int64_t dim, const KV* k_head, const KV* v_head, const int64_t* key_at,
                  int64_t len, float* scores, int64_t padded, bool prefetch) {
   __m256 parts[GT * kKeyBlock];
   for (int64_t start = 0; start < len; start += kKeyBlock) {
@@ -84,8 +96,8 @@ void score_heads(const float* q, int64_t dim, const float* k_head, const float* 
         prefetch_key(k_head, v_head, key_at, t, dim);
         if (s + 1 < n) prefetch_key(k_head, v_head, key_at, t + 1, dim);
       }
-      const float* k0 = k_head + key_at[t];
-      const float* k1 = s + 1 < n ? k_head + key_at[t + 1] : k0;  // a lone last key: its slot is ignored
+      const KV* k0 = k_head + key_at[t];
+      const KV* k1 = s + 1 < n ? k_head + key_at[t + 1] : k0;  // a lone last key: its slot is ignored
       score_pair<GT>(q, dim, k0, k1, parts, s);
     }
     for (int g = 0; g < GT; ++g) _mm256_storeu_ps(scores + g * padded + start, sum_each8(parts + g * kKeyBlock));
@@ -116,18 +128,18 @@ inline float exponentiate(float* sc, int64_t len, int64_t padded) {
 
 // out[g][d0, d0 + 8 DT) for query heads [0, GT) of the tile: the values of keys [0, len)
 // weighted by the heads' numerators, over their sums.
-template <int GT, int DT>
-void value_tile(const float* v_head, const int64_t* key_at, int64_t len, const float* scores, int64_t padded,
+template <int GT, int DT, typename KV>
+void value_tile(const KV* v_head, const int64_t* key_at, int64_t len, const float* scores, int64_t padded,
                 const float* total, int64_t d0, float* out, int64_t dim) {
   __m256 acc[GT][DT];
   for (int g = 0; g < GT; ++g)
     for (int c = 0; c < DT; ++c) acc[g][c] = _mm256_setzero_ps();
   for (int64_t t = 0; t < len; ++t) {
-    const float* value = v_head + key_at[t] + d0;
+    const KV* value = v_head + key_at[t] + d0;
     __m256 w[GT];
     for (int g = 0; g < GT; ++g) w[g] = _mm256_broadcast_ss(scores + g * padded + t);
     for (int c = 0; c < DT; ++c) {
-      const __m256 x = _mm256_loadu_ps(value + 8 * c);
+      const __m256 x = load8(value + 8 * c);
       for (int g = 0; g < GT; ++g) acc[g][c] = _mm256_fmadd_ps(w[g], x, acc[g][c]);
     }
   }
@@ -137,8 +149,8 @@ void value_tile(const float* v_head, const int64_t* key_at, int64_t len, const f
   }
 }
 
-template <int GT>
-void value_heads(const float* v_head, const int64_t* key_at, int64_t len, const float* scores, int64_t padded,
+template <int GT, typename KV>
+void value_heads(const KV* v_head, const int64_t* key_at, int64_t len, const float* scores, int64_t padded,
                  const float* total, float* out, int64_t dim) {
   int64_t d0 = 0;
   for (; d0 + 32 <= dim; d0 += 32) value_tile<GT, 4>(v_head, key_at, len, scores, padded, total, d0, out, dim);
@@ -159,13 +171,11 @@ inline void by_head_tiles(int64_t group, Fn&& fn) {
   if (group - g0 == 1) fn(g0, std::integral_constant<int, 1>{});
 }
 
-}  // namespace
-
-// True when it took the call: float32 heads of a multiple of 8 dims. Inputs as cpu_ops.cpp's
-// decode_attention has checked them.
-bool vector_decode_attention(const float* q, const float* kc, const float* vc, const int64_t* pages,
-                             const int64_t* lens, float* out, int64_t batch, int64_t heads, int64_t kv_heads,
-                             int64_t num_pages, int64_t page_size, int64_t dim, int64_t width, float scale) {
+// Every task of the step: (sequence, KV head) pairs over the threads.
+template <typename KV>
+bool attend_all(const float* q, const KV* kc, const KV* vc, const int64_t* pages, const int64_t* lens, float* out,
+                int64_t batch, int64_t heads, int64_t kv_heads, int64_t num_pages, int64_t page_size, int64_t dim,
+                int64_t width, float scale) {
   if (dim % 8 != 0) return false;
   const int64_t group = heads / kv_heads, page_stride = page_size * dim, head_stride = num_pages * page_stride;
   at::parallel_for(0, batch * kv_heads, 1, [&](int64_t begin, int64_t end) {
@@ -181,10 +191,10 @@ bool vector_decode_attention(const float* q, const float* kc, const float* vc, c
       for (int64_t t = 0, p = 0; t < len; ++p)
         for (int64_t s = 0; s < page_size && t < len; ++s, ++t) key_at[t] = table[p] * page_stride + s * dim;
       std::fill(key_at.begin() + len, key_at.end(), key_at[len - 1]);
-      const float* k_head = kc + h * head_stride;
-      const float* v_head = vc + h * head_stride;
+      const KV* k_head = kc + h * head_stride;
+      const KV* v_head = vc + h * head_stride;
       for (int64_t t = 0; t < std::min(len, kPrefetchKeys); ++t)
-        for (int64_t l = 0; l < dim * 4; l += 64) _mm_prefetch(reinterpret_cast<const char*>(k_head + key_at[t]) + l, _MM_HINT_T0);
+        for (int64_t l = 0; l < dim * static_cast<int64_t>(sizeof(KV)); l += 64) _mm_prefetch(reinterpret_cast<const char*>(k_head + key_at[t]) + l, _MM_HINT_T0);
       const int64_t padded = (len + kKeyBlock - 1) / kKeyBlock * kKeyBlock;
       scores.resize(group * padded);
       by_head_tiles(group, [&](int64_t g0, auto tile) {
@@ -204,9 +214,31 @@ bool vector_decode_attention(const float* q, const float* kc, const float* vc, c
   return true;
 }
 
+}  // namespace
+
+// True when it took the call: heads of a multiple of 8 dims, float32 queries and output, the
+// pool in float32 or bfloat16 (its bits as uint16_t). Inputs as cpu_ops.cpp's decode_attention
+// has checked them.
+bool vector_decode_attention(const float* q, const float* kc, const float* vc, const int64_t* pages,
+                             const int64_t* lens, float* out, int64_t batch, int64_t heads, int64_t kv_heads,
+                             int64_t num_pages, int64_t page_size, int64_t dim, int64_t width, float scale) {
+  return attend_all(q, kc, vc, pages, lens, out, batch, heads, kv_heads, num_pages, page_size, dim, width, scale);
+}
+
+bool vector_decode_attention(const float* q, const uint16_t* kc, const uint16_t* vc, const int64_t* pages,
+                             const int64_t* lens, float* out, int64_t batch, int64_t heads, int64_t kv_heads,
+                             int64_t num_pages, int64_t page_size, int64_t dim, int64_t width, float scale) {
+  return attend_all(q, kc, vc, pages, lens, out, batch, heads, kv_heads, num_pages, page_size, dim, width, scale);
+}
+
 #else
 
 bool vector_decode_attention(const float*, const float*, const float*, const int64_t*, const int64_t*, float*,
+                             int64_t, int64_t, int64_t, int64_t, int64_t, int64_t, int64_t, float) {
+  return false;
+}
+
+bool vector_decode_attention(const float*, const uint16_t*, const uint16_t*, const int64_t*, const int64_t*, float*,
                              int64_t, int64_t, int64_t, int64_t, int64_t, int64_t, int64_t, float) {
   return false;
 }

@@ -93,10 +93,11 @@ PrefillAttention = Callable[[torch.Tensor, torch.Tensor, torch.Tensor, StepAtten
 
 def write_kv(k_cache: torch.Tensor, v_cache: torch.Tensor, k: torch.Tensor, v: torch.Tensor,
              slots: torch.Tensor) -> None:
-    """k, v: [T, kv_heads, head_dim] into their slots."""
+    """k, v: [T, kv_heads, head_dim] into their slots, rounded to the pool's dtype where it is
+    narrower than the model's (config.parse_kv_dtype)."""
     heads, dim = k_cache.shape[0], k_cache.shape[-1]
-    k_cache.view(heads, -1, dim).index_copy_(1, slots, k.transpose(0, 1))
-    v_cache.view(heads, -1, dim).index_copy_(1, slots, v.transpose(0, 1))
+    k_cache.view(heads, -1, dim).index_copy_(1, slots, k.transpose(0, 1).to(k_cache.dtype))
+    v_cache.view(heads, -1, dim).index_copy_(1, slots, v.transpose(0, 1).to(v_cache.dtype))
 
 
 def paged_attention(q: torch.Tensor, k_cache: torch.Tensor, v_cache: torch.Tensor, attn: StepAttention,
@@ -120,12 +121,13 @@ def prefill_attention_torch(q, k_cache, v_cache, attn: StepAttention, scale, out
         out[rows] = _prefill_attention(q[rows], k_cache, v_cache, chunk, scale)
 
 
-def _gather(cache: torch.Tensor, pages: torch.Tensor) -> torch.Tensor:
-    """[B, M] page ids -> [kv_heads, B, M * page_size, head_dim]. Padding (NO_PAGE) gathers
-    page 0, which the decode bias masks out."""
+def _gather(cache: torch.Tensor, pages: torch.Tensor, dtype: torch.dtype) -> torch.Tensor:
+    """[B, M] page ids -> [kv_heads, B, M * page_size, head_dim] in the model's `dtype` (a
+    bfloat16 pool under a float32 model widens exactly). Padding (NO_PAGE) gathers page 0,
+    which the decode bias masks out."""
     # index_select on the flat id list is several times faster on CPU than advanced indexing.
     x = cache.index_select(1, pages.flatten().clamp(min=0))  # [H_kv, B*M, S, D]
-    return x.view(cache.shape[0], pages.shape[0], pages.shape[1] * cache.shape[2], cache.shape[3])
+    return x.view(cache.shape[0], pages.shape[0], pages.shape[1] * cache.shape[2], cache.shape[3]).to(dtype)
 
 
 def decode_attention_torch(q, k_cache, v_cache, attn: StepAttention, scale):
@@ -135,8 +137,8 @@ def decode_attention_torch(q, k_cache, v_cache, attn: StepAttention, scale):
     batch, heads, dim = q.shape
     kv_heads = k_cache.shape[0]
     group = heads // kv_heads
-    k = _gather(k_cache, attn.decode_pages)  # [H_kv, B, L, D]
-    v = _gather(v_cache, attn.decode_pages)
+    k = _gather(k_cache, attn.decode_pages, q.dtype)  # [H_kv, B, L, D]
+    v = _gather(v_cache, attn.decode_pages, q.dtype)
     keys = k.shape[2]
     # Query heads grouped under their KV head: [H_kv, B, G, D].
     qg = q.view(batch, kv_heads, group, dim).transpose(0, 1)
@@ -149,8 +151,8 @@ def decode_attention_torch(q, k_cache, v_cache, attn: StepAttention, scale):
 
 def _prefill_attention(q, k_cache, v_cache, chunk: PrefillChunk, scale):
     n, ctx = chunk.num_tokens, chunk.context_len
-    k = _gather(k_cache, chunk.pages[None])[:, 0, :ctx].unsqueeze(0)  # [1, H_kv, ctx, D]
-    v = _gather(v_cache, chunk.pages[None])[:, 0, :ctx].unsqueeze(0)
+    k = _gather(k_cache, chunk.pages[None], q.dtype)[:, 0, :ctx].unsqueeze(0)  # [1, H_kv, ctx, D]
+    v = _gather(v_cache, chunk.pages[None], q.dtype)[:, 0, :ctx].unsqueeze(0)
     q = q.transpose(0, 1).unsqueeze(0)  # [1, H, n, D]
     if n == ctx:
         out = F.scaled_dot_product_attention(q, k, v, is_causal=True, scale=scale, enable_gqa=True)

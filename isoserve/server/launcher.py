@@ -13,7 +13,7 @@ from pathlib import Path
 from typing import NoReturn
 
 from isoserve import event_loop
-from isoserve.config import EngineConfig, parse_dtype
+from isoserve.config import EngineConfig, parse_dtype, parse_kv_dtype
 
 log = logging.getLogger("isoserve.serve")
 
@@ -21,7 +21,7 @@ GIB = 1024 ** 3
 
 
 def _engine_config(args, *, kv_tokens=None, kv_memory_gb=None) -> EngineConfig:
-    return EngineConfig(model=args.model, dtype=args.dtype, device=args.device,
+    return EngineConfig(model=args.model, dtype=args.dtype, kv_dtype=args.kv_dtype, device=args.device,
                         page_size=args.page_size, context_length=args.context_length,
                         kv_tokens=kv_tokens,
                         kv_memory_bytes=int(kv_memory_gb * GIB) if kv_memory_gb else None,
@@ -90,14 +90,14 @@ def _planned_pools(args, model_config, context_length: int) -> list[tuple[str, i
     """(group, pool tokens) of each planned pool, by the arithmetic the workers themselves use."""
     from isoserve.kv.pool import KVPool
 
-    dtype = parse_dtype(args.dtype)
+    kv_dtype = parse_kv_dtype(args.kv_dtype, args.dtype, args.device)
     groups = ["aggregated"] if args.mode == "aggregated" else ["prefill", "decode"]
     pools = []
     for group in groups:
         prefix = "" if group == "aggregated" else f"{group}_"
         cfg = _engine_config(args, kv_tokens=getattr(args, f"{prefix}kv_tokens"),
                              kv_memory_gb=getattr(args, f"{prefix}kv_memory_gb"))
-        pages = KVPool.pages_for(model_config, args.page_size, dtype,
+        pages = KVPool.pages_for(model_config, args.page_size, kv_dtype,
                                  **cfg.pool_tokens_request(context_length))
         pools.append((group, pages * args.page_size))
     return pools
@@ -183,7 +183,7 @@ def _worker_command(args, role: str, index: int, router: str, kv_endpoint: str, 
     prefix = "" if role == "aggregated" else f"{role}_"
     cmd = [sys.executable, "-m", "isoserve.cli", "--log-level", args.log_level, "worker",
            "--role", role, "--router", router, "--worker-id", f"{role}-{index}",
-           "--model", args.model, "--dtype", args.dtype, "--device", args.device,
+           "--model", args.model, "--dtype", args.dtype, "--kv-dtype", args.kv_dtype, "--device", args.device,
            "--page-size", str(args.page_size), "--max-num-seqs", str(_max_num_seqs(args, role)),
            "--max-batched-tokens", str(_max_batched_tokens(args, role)),
            "--transfer-timeout", str(args.transfer_timeout), "--threads", str(threads)]
@@ -398,7 +398,8 @@ async def _wait_for_workers(router, procs, total: int, timeout: float) -> None:
 def _print_how_to_call(args, model: str, limit: int, new_key: str | None) -> None:
     base = f"http://{args.host}:{args.port}"
     key = new_key or "$ISOSERVE_API_KEY"
-    lines = [f"isoserve {args.mode} serving {model} ({args.dtype}) on {base}; max_model_len={limit}"]
+    lines = [f"isoserve {args.mode} serving {model} ({args.dtype}, KV cache {args.kv_dtype}) on {base}; "
+             f"max_model_len={limit}"]
     if new_key:
         lines.append(f"First start: created {args.tenants} with tenant 'default' (admin). Its API key, "
                      f"shown only now:\n    {new_key}")
