@@ -53,20 +53,31 @@ class PoolMachine(RuleBasedStateMachine):
     @precondition(lambda self: self.owners)
     @rule(data=st.data(), n=st.integers(1, 3))
     def grow(self, data, n):
+        """An owner grows past its last page, as the scheduler asks (`after` its last page); the
+        hint may also name another owner's page, a free page or none in the pool: whatever it
+        names, only free pages come back."""
         tag = data.draw(st.sampled_from(sorted(self.owners)))
-        if self._take(n):
+        after = data.draw(st.one_of(st.just(self.owners[tag][-1]), st.integers(-2, self.pool.num_pages + 1)))
+        if self._take(n, after):
             self.owners[tag] += self._last_pages
 
-    def _take(self, n) -> bool:
+    def _take(self, n, after=None) -> bool:
         free_before = self.alloc.num_free
         if n > free_before:
             with pytest.raises(OutOfPages):
-                self.alloc.allocate(n)
+                self.alloc.allocate(n, after)
             assert self.alloc.num_free == free_before
             return False
-        pages, epochs = self.alloc.allocate(n)
+        free = {p for p in range(self.pool.num_pages) if not self.alloc.is_allocated(p)}
+        pages, epochs = self.alloc.allocate(n, after)
         assert len(pages) == len(set(pages)) == len(epochs) == n
         assert not any(p in self.epoch_of for p in pages), "a page went to two live owners"
+        # Runs: each page is the one after the page before it (`after` for the first) where that
+        # one was free, so a sequence's pages lie one after another in the pool where they can.
+        for before, page in zip([after, *pages], pages):
+            if before is not None and before + 1 in free:
+                assert page == before + 1, (after, pages, sorted(free))
+            free.discard(page)
         # Fresh epochs: never seen before, and larger than every earlier epoch of that page.
         assert not self.seen_epochs & set(epochs) and len(set(epochs)) == n
         for p, e in zip(pages, epochs):
@@ -372,6 +383,20 @@ def _assert_page_metadata(engine) -> None:
     for seq in engine.scheduler.waiting:
         assert seq.pages == [] and seq.num_computed == 0
     assert len(held) == len(set(held)) == engine.allocator.num_used
+
+
+def test_a_growing_sequence_takes_the_page_after_its_last_where_it_is_free(tiny_llama_dir):
+    """Three prompts of one page each take pages 0, 1 and 2; the second ends at its first token
+    and gives page 1 back. The first then grows into page 1, after its page 0, not into the
+    oldest free page (3), which the third, after its page 2, takes: each sequence's pages one
+    after another in the pool, where the decode kernel's reads follow them."""
+    engine = LLM(str(tiny_llama_dir), dtype="float32", **TINY_POOL).engine
+    for rid, max_tokens in (("a", 6), ("b", 1), ("c", 6)):
+        engine.add_request(rid, [5, 6, 7, 8], SamplingParams(max_tokens=max_tokens, temperature=0, ignore_eos=True))
+    engine.step()  # the three prompts; "b" ends with its first token
+    assert [engine.requests[r].pages for r in ("a", "c")] == [[0], [2]] and "b" not in engine.requests
+    engine.step()  # each writes its fifth token: a page more
+    assert [engine.requests[r].pages for r in ("a", "c")] == [[0, 1], [2, 3]]
 
 
 def _assert_idle(engine) -> None:

@@ -85,7 +85,8 @@ class Scheduler:
     def _grow(self, seq: Sequence, n: int) -> None:
         missing = self._pages_missing(seq, n)
         if missing:
-            pages, epochs = self.allocator.allocate(missing)
+            # The page after its last where that one is free: its pages stay in one run.
+            pages, epochs = self.allocator.allocate(missing, after=seq.pages[-1] if seq.pages else None)
             seq.pages += pages
             seq.page_epochs += epochs
 
