@@ -47,7 +47,7 @@ from isoserve.bench.local_server import (add_tenant, child_env, isoserve_cmd, lo
                                          shown)
 from isoserve.bench.machine import describe, machine_facts  # noqa: E402
 from isoserve.bench.plot import plot_runs  # noqa: E402
-from isoserve.config import GUARD_NAMES, dtype_name  # noqa: E402
+from isoserve.config import GUARD_NAMES, dtype_name, parse_kv_dtype  # noqa: E402
 
 PARTS = ("offline", "serve", "target", "guards", "transfer", "llamacpp", "prefill", "roofline")
 TITLE = "# Benchmarks"
@@ -58,6 +58,7 @@ PAGE_SIZE = 16  # isoserve serve's default, which these runs keep
 class Plan:
     model: str
     dtype: str
+    kv_dtype: str  # isoserve's KV pool (config.parse_kv_dtype); the peers keep theirs in dtype
     quick: bool
     prompt_tokens: int = 100
     output_tokens: int = 128
@@ -77,12 +78,21 @@ class Plan:
     roofline_batches: str = "1,8,32"
     roofline_mib: int = 1024
 
+    def dtype_args(self) -> list[str]:
+        """isoserve's dtype flags, in every command that runs its engine."""
+        return ["--dtype", self.dtype, "--kv-dtype", self.kv_dtype]
+
+    @property
+    def dtypes(self) -> str:
+        """The dtypes as headings name them: the model's, and the KV cache's where it differs."""
+        return self.dtype if self.kv_dtype == self.dtype else f"{self.dtype} (isoserve's KV cache {self.kv_dtype})"
+
     @classmethod
     def make(cls, args) -> Plan:
         if not args.quick:
-            return cls(args.model, args.dtype, False, guard_rounds=args.guard_rounds or 2,
+            return cls(args.model, args.dtype, args.kv_dtype, False, guard_rounds=args.guard_rounds or 2,
                        target_rounds=args.target_rounds or 3)
-        return cls(args.model, args.dtype, True, output_tokens=16, offline_batches="1,2",
+        return cls(args.model, args.dtype, args.kv_dtype, True, output_tokens=16, offline_batches="1,2",
                    serve_concurrency="1,4", guard_concurrency=4, num_requests=8,
                    guard_rounds=args.guard_rounds or 1, target_rounds=args.target_rounds or 1,
                    target_batch=4, zmq_messages=20,
@@ -121,7 +131,7 @@ class Run:
         return json.loads(out.read_text()), self.show(cmd)
 
     def serve(self, label: str, *extra: str):
-        args = ["--model", self.plan.model, "--dtype", self.plan.dtype, *extra]
+        args = ["--model", self.plan.model, *self.plan.dtype_args(), *extra]
         return local_server(args, self.tenants, self.work / f"serve-{label}.log")
 
 
@@ -156,7 +166,7 @@ def section(title: str, run: Run, commands: list[str], body: str) -> str:
 def part_offline(run: Run) -> str:
     p = run.plan
     out = run.work / "offline.json"
-    cmd = isoserve_cmd("bench", "--offline", "--model", p.model, "--dtype", p.dtype,
+    cmd = isoserve_cmd("bench", "--offline", "--model", p.model, *p.dtype_args(),
                        "--batch", p.offline_batches, "--prompt-tokens", str(p.prompt_tokens),
                        "--output-tokens", str(p.output_tokens),
                        "--peers", "transformers,generate_batch", "--json", str(out))
@@ -173,7 +183,7 @@ def part_offline(run: Run) -> str:
             row += [num(r[peer]["output_tokens_per_s"]), f"{r['ratios']['isoserve/' + peer]:.2f}x"]
         rows.append(row)
     body = (f"Output tokens/s of `LLM.generate` and of transformers on the same {p.model} weights "
-            f"({p.dtype}, {data['torch_threads']} torch threads, one process), the same "
+            f"({p.dtypes}, {data['torch_threads']} torch threads, one process), the same "
             f"{p.prompt_tokens}-token prompts, greedy, exactly {p.output_tokens} new tokens each "
             f"(isoserve `ignore_eos`; transformers `min_new_tokens`; `generate_batch` with EOS off). "
             f"Time includes prefill. Each engine was warmed up once with a tiny run.\n\n"
@@ -221,13 +231,13 @@ def part_serve(run: Run) -> str:
                "failed (d / t / a)"]
     plot = run.out.parent / "benchmarks-serve.png"
     plot_runs([("disaggregated", d), ("disaggregated, cores by turns", turns), ("aggregated", a)],
-              plot, title=f"isoserve serve, {p.model} {p.dtype}")
+              plot, title=f"isoserve serve, {p.model} {p.dtypes}")
     body = (f"`isoserve serve` with one prefill and one decode worker (the default: each "
             f"busy worker takes cores / busy workers threads, so one alone has every core, but "
             f"never cores a peer's running step holds), the "
             f"same with `--core-sharing turns` (\"turns\": one busy worker steps at a time with "
             f"every core), and `--mode aggregated` "
-            f"(one worker doing both, every core). {p.model} {p.dtype}, "
+            f"(one worker doing both, every core). {p.model} {p.dtypes}, "
             f"~{p.prompt_tokens}-token prompts (mean as the server counted them: "
             f"{num(d[0]['mean_prompt_tokens'])}), {p.output_tokens} output tokens with "
             f"`ignore_eos`, closed loop. Output tokens/s of successful requests over the wall "
@@ -245,7 +255,7 @@ def part_target(run: Run) -> str:
     rounds, commands = [], []
     for r in range(p.target_rounds):
         out = run.work / f"target-offline-round{r + 1}.json"
-        offline_cmd = isoserve_cmd("bench", "--offline", "--model", p.model, "--dtype", p.dtype,
+        offline_cmd = isoserve_cmd("bench", "--offline", "--model", p.model, *p.dtype_args(),
                                    "--batch", str(p.target_batch), "--prompt-tokens", str(p.prompt_tokens),
                                    "--output-tokens", str(p.output_tokens), "--peers", "transformers",
                                    "--json", str(out))
@@ -273,7 +283,7 @@ def part_target(run: Run) -> str:
     body = (f"{p.target_rounds} round(s); each ran transformers `generate` at batch {p.target_batch} "
             f"(and `LLM.generate` at the same batch, in that process), then a fresh disaggregated "
             f"`isoserve serve` (every guard on) loaded at {p.target_batch} concurrent: {p.model} "
-            f"{p.dtype}, ~{p.prompt_tokens}-token prompts, {p.output_tokens} output tokens "
+            f"{p.dtypes}, ~{p.prompt_tokens}-token prompts, {p.output_tokens} output tokens "
             f"(`ignore_eos`), closed loop. The target, HTTP >= 3x transformers, by the medians: "
             f"**{ratio(med['http'], med['transformers'])}, {verdict}**.\n\n" + md_table(headers, rows))
     title = f"HTTP at {p.target_batch} concurrent vs transformers at batch {p.target_batch}, interleaved (issue 6)"
@@ -322,7 +332,7 @@ def part_guards(run: Run) -> str:
     headers = ["configuration", "out tok/s", "vs guards on", "ITL p50 ms", "vs guards on",
                "TPOT p50 ms", "vs guards on", "KV transfer MB/s", "vs guards on", "failed"]
     per_round = "; ".join(f"{n}: " + ", ".join(num(x["tok_s"]) for x in measured[n]) for n in names)
-    body = (f"Disaggregated `isoserve serve`, {p.model} {p.dtype}, concurrency "
+    body = (f"Disaggregated `isoserve serve`, {p.model} {p.dtypes}, concurrency "
             f"{p.guard_concurrency}, ~{p.prompt_tokens}-token prompts, {p.output_tokens} output "
             f"tokens (`ignore_eos`). Each configuration ran {p.guard_rounds} time(s), in rotated "
             f"order, each on a fresh server; the table shows medians. \"guards all off\" is "
@@ -445,7 +455,7 @@ def part_llamacpp(run: Run) -> str | None:
 def part_prefill(run: Run) -> str:
     p = run.plan
     out = run.work / "prefill.json"
-    cmd = isoserve_cmd("bench", "--prefill", "--model", p.model, "--dtype", p.dtype,
+    cmd = isoserve_cmd("bench", "--prefill", "--model", p.model, *p.dtype_args(),
                        "--prompt-tokens", str(p.prefill_tokens), "--repeats", str(p.prefill_repeats),
                        "--peers", "transformers", "--json", str(out))
     binary, gguf = llama_peer(run)
@@ -468,7 +478,7 @@ def part_prefill(run: Run) -> str:
                      "-" if name == "isoserve" else f"{data['ratios']['isoserve/' + name]:.2f}x"])
     missing = "" if binary is not None else f"\n\nNo llama.cpp figure: {gguf}."
     body = (f"Prompt processing of one {p.prefill_tokens}-token prompt (seeded random words, the "
-            f"same token ids for every engine), {p.model} {p.dtype}, {data['torch_threads']} torch "
+            f"same token ids for every engine), {p.model} {p.dtypes}, {data['torch_threads']} torch "
             f"threads; the median of {p.prefill_repeats} prompt(s), each a different one, after one "
             f"warm-up, the engines taking turns on each prompt. isoserve: `LLM.generate` with `max_tokens=1` (its chunked prefill as "
             f"configured by default, plus sampling one token). transformers: one forward in "
@@ -483,7 +493,7 @@ def part_prefill(run: Run) -> str:
 def part_roofline(run: Run) -> str:
     p = run.plan
     out = run.work / "roofline.json"
-    cmd = isoserve_cmd("bench", "--roofline", "--model", p.model, "--dtype", p.dtype,
+    cmd = isoserve_cmd("bench", "--roofline", "--model", p.model, *p.dtype_args(),
                        "--batch", p.roofline_batches, "--prompt-tokens", str(p.prompt_tokens),
                        "--output-tokens", str(p.output_tokens), "--roofline-mib", str(p.roofline_mib),
                        "--json", str(out))
@@ -500,7 +510,7 @@ def part_roofline(run: Run) -> str:
             f"better of `.sum()` over a {bw['bytes'] / 2**20:.0f} MiB float32 tensor, "
             f"{bw['read_bytes_per_s'] / 1e9:.1f} GB/s, and copying it, "
             f"{bw['copy_bytes_per_s'] / 1e9:.1f} GB/s read + write).\n\n"
-            f"{p.model} {p.dtype}: {costs['parameters'] / 1e6:.1f} M parameters, "
+            f"{p.model} {p.dtypes}: {costs['parameters'] / 1e6:.1f} M parameters, "
             f"{costs['matmul_parameters'] / 1e6:.1f} M of them in the matmuls of a decode step "
             f"({tied}), {costs['weight_bytes'] / 1e6:.1f} MB of "
             f"weights read per step, {costs['kv_bytes_per_token'] / 1024:.1f} KiB of KV per token. "
@@ -537,6 +547,8 @@ def main() -> int:
     ap.add_argument("--model", default="smollm2-135m-instruct")
     ap.add_argument("--dtype", default="auto", choices=["auto", "bfloat16", "float32"],
                     help="auto (default): bfloat16 where this CPU computes in it natively, else float32")
+    ap.add_argument("--kv-dtype", default="auto", choices=["auto", "bfloat16", "float32"],
+                    help="isoserve's KV cache: auto (default) as `isoserve serve` decides it")
     ap.add_argument("--guard-rounds", type=int, default=None,
                     help="times each guard configuration runs (default 2; 1 with --quick)")
     ap.add_argument("--target-rounds", type=int, default=None,
@@ -546,7 +558,9 @@ def main() -> int:
                          "bench/out/benchmarks-quick.md with --quick)")
     ap.add_argument("--work", type=Path, default=None, help="scratch folder (default bench/out/run-DATE)")
     args = ap.parse_args()
-    args.dtype = dtype_name(args.dtype)  # every command and heading names the dtype that ran
+    # Every command and heading names the dtypes that ran; the KV cache's "auto" depends on --dtype's.
+    args.kv_dtype = dtype_name(parse_kv_dtype(args.kv_dtype, args.dtype))
+    args.dtype = dtype_name(args.dtype)
     parts = [p.strip() for p in args.parts.split(",") if p.strip()]
     unknown = set(parts) - set(PARTS)
     if unknown:
