@@ -47,7 +47,7 @@ from isoserve.bench.local_server import (add_tenant, child_env, isoserve_cmd, lo
                                          shown)
 from isoserve.bench.machine import describe, machine_facts  # noqa: E402
 from isoserve.bench.plot import plot_runs  # noqa: E402
-from isoserve.config import GUARD_NAMES, dtype_name, parse_kv_dtype  # noqa: E402
+from isoserve.config import GUARD_NAMES, resolve_dtypes  # noqa: E402
 
 PARTS = ("offline", "serve", "target", "guards", "transfer", "llamacpp", "prefill", "roofline")
 TITLE = "# Benchmarks"
@@ -558,9 +558,10 @@ def main() -> int:
                          "bench/out/benchmarks-quick.md with --quick)")
     ap.add_argument("--work", type=Path, default=None, help="scratch folder (default bench/out/run-DATE)")
     args = ap.parse_args()
-    # Every command and heading names the dtypes that ran; the KV cache's "auto" depends on --dtype's.
-    args.kv_dtype = dtype_name(parse_kv_dtype(args.kv_dtype, args.dtype))
-    args.dtype = dtype_name(args.dtype)
+    try:  # every command and heading names the dtypes that ran
+        args.dtype, args.kv_dtype = resolve_dtypes(args.dtype, args.kv_dtype)
+    except ValueError as e:
+        ap.error(str(e))
     parts = [p.strip() for p in args.parts.split(",") if p.strip()]
     unknown = set(parts) - set(PARTS)
     if unknown:

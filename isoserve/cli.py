@@ -6,7 +6,7 @@ import logging
 import os
 import sys
 
-from isoserve.config import DTYPE_CHOICES, GUARD_NAMES, KV_DTYPE_CHOICES, dtype_name, parse_guard_names, parse_kv_dtype
+from isoserve.config import DTYPE_CHOICES, GUARD_NAMES, KV_DTYPE_CHOICES, dtype_name, parse_guard_names, resolve_dtypes
 from isoserve.disagg.cores import POLICIES
 
 
@@ -189,12 +189,12 @@ def decide_dtype(args: argparse.Namespace) -> None:
     """--dtype auto and --kv-dtype auto become the dtypes they stand for, once, here: the router
     sizes the pools with them and starts its workers with them, and every log line names them."""
     device = getattr(args, "device", "cpu")
-    if getattr(args, "kv_dtype", None) is not None:  # first: its "auto" depends on --dtype's
+    if getattr(args, "kv_dtype", None) is not None:
         try:
-            args.kv_dtype = dtype_name(parse_kv_dtype(args.kv_dtype, args.dtype, device))
+            args.dtype, args.kv_dtype = resolve_dtypes(args.dtype, args.kv_dtype, device)
         except ValueError as e:
             raise SystemExit(f"isoserve: {e}") from None
-    if getattr(args, "dtype", None) == "auto":
+    elif getattr(args, "dtype", None) == "auto":
         args.dtype = dtype_name("auto", device)
 
 

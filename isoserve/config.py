@@ -25,7 +25,7 @@ GUARD_NAMES = ("admission", "capacity_audit", "writer_tags", "transfer_coverage"
 DTYPES = {"bfloat16": "bfloat16", "bf16": "bfloat16", "float32": "float32", "fp32": "float32",
           "float16": "float16", "fp16": "float16"}
 DTYPE_CHOICES = ("auto", "bfloat16", "float32", "float16")  # the --dtype flags' choices
-KV_DTYPE_CHOICES = ("auto", "bfloat16", "float32", "float16")  # the --kv-dtype flags' choices
+KV_DTYPE_CHOICES = DTYPE_CHOICES  # the --kv-dtype flags' choices (config.parse_kv_dtype says which pairs)
 
 
 def native_bfloat16(device: str = "cpu") -> bool:
@@ -65,8 +65,9 @@ def parse_kv_dtype(name: str | torch.dtype, dtype: str | torch.dtype, device: st
     step reads (decode attention waits on memory at batch 32) and twice the tokens a pool holds.
     K and V are then rounded to bfloat16 as they are written and widened back exactly as read.
     "auto" is the model's dtype, except where `--dtype auto` fell back to float32 on a CPU
-    without native bfloat16: the checkpoint is bfloat16 and the model runs in float32 only for
-    speed, so its KV cache stays bfloat16 too. Any other pair is refused: no kernel reads it."""
+    without native bfloat16: there the model runs in float32 only because bfloat16 matmuls are
+    slow, and its KV cache is bfloat16, whatever the checkpoint's dtype (`--kv-dtype float32`
+    keeps float32). Any other pair is refused: no kernel reads it."""
     import torch
 
     model = parse_dtype(dtype, device)
@@ -78,6 +79,13 @@ def parse_kv_dtype(name: str | torch.dtype, dtype: str | torch.dtype, device: st
         raise ValueError(f"a {dtype_name(model)} model cannot keep its KV cache in {dtype_name(kv)}: "
                          f"use --kv-dtype auto or {dtype_name(model)}, or bfloat16 under --dtype float32")
     return kv
+
+
+def resolve_dtypes(dtype: str, kv_dtype: str, device: str = "cpu") -> tuple[str, str]:
+    """(--dtype, --kv-dtype) with "auto" decided, as names: the KV cache's first, since its
+    "auto" depends on whether --dtype was "auto". Raises ValueError for a pair no kernel reads."""
+    kv = dtype_name(parse_kv_dtype(kv_dtype, dtype, device))
+    return dtype_name(dtype, device), kv
 
 
 def parse_guard_names(text: str | None) -> frozenset[str]:

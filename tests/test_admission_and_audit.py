@@ -377,6 +377,29 @@ def test_router_exports_worker_counters_by_their_growth():
         router.ctx.term()
 
 
+def test_router_refuses_a_worker_whose_kv_cache_has_another_dtype():
+    """A worker started by hand with another --kv-dtype would have every transfer refused one by
+    one: the router refuses it once, at registration, and it never gets traffic."""
+    from isoserve.server.metrics import Metrics
+    from isoserve.server.router import Router, RouterSettings
+
+    router = Router(RouterSettings("m", 8192, 16, kv_dtype="bfloat16"), b"s" * 32, "ipc:///nonexistent", None,
+                    Metrics())
+    try:
+        hello = {"role": "decode", "pid": 1, "host": "vm", "model": "m", "page_size": 16, "pool_tokens": 16384,
+                 "pool_pages": 1024, "context_length": 8192, "kv_endpoint": "ipc:///kv"}
+        for worker, kv_dtype in (("decode-0", "float32"), ("decode-1", None), ("decode-2", "bfloat16")):
+            body = {**hello, "worker_id": worker, **({"kv_dtype": kv_dtype} if kv_dtype else {})}
+            router._register(worker, body)
+        states = {w: (i.state, i.refusal) for w, i in router.workers.items()}
+        assert states["decode-0"] == ("refused", "keeps its KV cache in float32, the cluster's is bfloat16")
+        assert states["decode-1"][0] == "refused"
+        assert states["decode-2"] == ("up", "")
+    finally:
+        router.sock.close(0)
+        router.ctx.term()
+
+
 def test_serve_passes_prefill_max_num_seqs_to_prefill_workers_only():
     from isoserve.cli import build_parser
     from isoserve.server.launcher import _worker_command

@@ -165,6 +165,8 @@ class PoolMachine(RuleBasedStateMachine):
         assert allocated == set(held)
         assert self.alloc.num_free == self.pool.num_pages - len(held)
         assert self.alloc.num_used == len(held)
+        # The free list is exactly the pages not allocated, each once.
+        assert set(self.alloc._free) == set(range(self.pool.num_pages)) - allocated
 
     @invariant()
     def held_pages_carry_their_epoch_writer_and_fill(self):
@@ -207,7 +209,7 @@ def test_a_bfloat16_pool_holds_twice_the_tokens_of_a_memory_budget(page_size, bu
 def test_a_transfer_between_pools_of_different_dtypes_is_refused_before_any_write():
     """The manifest names the sender's pool dtype: a decode worker started with another
     --kv-dtype refuses the bytes (they would be another shape of number), and writes nothing."""
-    from isoserve.disagg.manifest import TransferRejected, build_manifest, verify_transfer, write_transfer
+    from isoserve.disagg.manifest import Manifest, TransferRejected, build_manifest, verify_transfer, write_transfer
     from isoserve.engine.sequence import Sequence
 
     def sequence(pool, tag):  # a prompt of 7 tokens in pages 1 and 0
@@ -218,6 +220,10 @@ def test_a_transfer_between_pools_of_different_dtypes_is_refused_before_any_writ
     sender.kv.normal_()
     manifest, frames = build_manifest(sender, sequence(sender, 1), None, 0.0)
     assert manifest.kv_dtype == "float32"
+    older = Manifest.from_wire({k: v for k, v in manifest.to_wire().items() if k != "kv_dtype"})
+    with pytest.raises(TransferRejected) as refused:  # a sender that does not say: refused too
+        verify_transfer(older, frames, sequence(sender, 2), KVPool(CONFIG, 2, 4, torch.float32))
+    assert refused.value.reason == "kv_dtype"
     for dtype in (torch.bfloat16, torch.float32):
         receiver = KVPool(CONFIG, 2, 4, dtype)
         seq = sequence(receiver, 2)

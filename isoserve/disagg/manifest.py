@@ -43,7 +43,6 @@ class Manifest:
     request_id: str
     num_tokens: int
     page_size: int
-    kv_dtype: str              # the sender's pool dtype ("bfloat16", "float32"): the bytes' meaning
     pages: list[PageRecord]
     first_token: int
     first_logprob: dict | None  # {"logprob": float, "top": [[token, logprob], ...]}
@@ -52,6 +51,9 @@ class Manifest:
     # from the same prefill step: a scheduling hint (disagg/bursts.py), never trusted for
     # correctness; a transfer is verified alone, against its own reservation.
     following: int = 0
+    # The sender's pool dtype ("bfloat16", "float32"): what the bytes mean. A manifest without
+    # it (an older sender) reads "" and is refused like any other mismatch.
+    kv_dtype: str = ""
 
     def to_wire(self) -> dict:
         return asdict(self)
@@ -86,8 +88,8 @@ def build_manifest(pool: KVPool, seq: Sequence, first_logprob: dict | None, sent
                                   checksum(frame)))
         frames.append(frame)
     first = seq.output_token_ids[0]
-    return Manifest(seq.request_id, n, size, dtype_name(pool.kv.dtype), records, first, first_logprob, sent_at,
-                    following), frames
+    return Manifest(seq.request_id, n, size, records, first, first_logprob, sent_at, following,
+                    dtype_name(pool.kv.dtype)), frames
 
 
 def verify_transfer(manifest: Manifest, frames: list, seq: Sequence, pool: KVPool, *,

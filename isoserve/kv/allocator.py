@@ -7,13 +7,14 @@ by the writer tag). Freeing a page that is not allocated is an engine bug and ra
 Which free page an allocation gets does not matter to isolation, only to speed: decode
 attention reads a sequence's pages one after another, and the memory system follows a run of
 adjacent pages but not pages scattered over the pool (batch-32 attention over a worker's pool
-took 1.7x as long with the pages scattered, bench/attention_threads.py). Free pages are handed
+took 1.3-1.5x as long with the pages scattered, bench/attention_threads.py). Free pages are handed
 out oldest-freed first, except that a sequence growing past its last page gets the page right
 after it when that one is free, and so do the later pages of one allocation. Without that, the
 free list is the order sequences finished in and each sequence grows a page at a time among
 everyone else's: after 1,000 requests through a decode worker's pool none of a sequence's next
 pages followed its last, and attention took as long as over pages scattered at random. With it
-91% do, and attention takes as long as over a fresh pool (docs/benchmarks.md).
+91% do, and attention takes about as long as over a fresh pool (docs/benchmarks.md; the
+requests simulated through this allocator by bench/attention_threads.py).
 """
 from __future__ import annotations
 

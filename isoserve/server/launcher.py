@@ -294,7 +294,8 @@ async def _serve(args) -> int:
         ckpt = ckpt or load()  # config and tokenizer for the router
         settings = RouterSettings(model_name=ckpt.name,
                                   context_length=args.context_length or ckpt.config.max_position_embeddings,
-                                  page_size=args.page_size, mode=args.mode, min_kv_headroom=args.min_kv_headroom,
+                                  page_size=args.page_size, mode=args.mode, kv_dtype=args.kv_dtype,
+                                  min_kv_headroom=args.min_kv_headroom,
                                   allow_undersized_kv=args.allow_undersized_kv,
                                   disabled_guards=args.disabled_guards,
                                   deadlines=Deadlines(args.queue_timeout, args.generation_timeout),

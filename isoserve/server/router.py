@@ -63,6 +63,7 @@ class RouterSettings:
     context_length: int
     page_size: int
     mode: str = "disaggregated"
+    kv_dtype: str | None = None  # the cluster's KV pool dtype (launcher: always set); None: any
     min_kv_headroom: float = 1.0
     allow_undersized_kv: bool = False
     disabled_guards: frozenset[str] = frozenset()
@@ -313,6 +314,9 @@ class Router:
                           kv_endpoint=b["kv_endpoint"])
         if b.get("model") != self.model_name:
             info.refusal = f"serves model {b.get('model')!r}, the router serves {self.model_name!r}"
+        elif self.settings.kv_dtype is not None and b.get("kv_dtype") != self.settings.kv_dtype:
+            # Its transfers would be refused one by one (disagg/manifest.py): refuse it once, here.
+            info.refusal = f"keeps its KV cache in {b.get('kv_dtype')}, the cluster's is {self.settings.kv_dtype}"
         else:
             info.refusal = audit_worker(self.audit_settings, info.role, info.pool_tokens,
                                         info.page_size, info.context_length)
