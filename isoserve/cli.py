@@ -6,7 +6,7 @@ import logging
 import os
 import sys
 
-from isoserve.config import DTYPE_CHOICES, GUARD_NAMES, KV_DTYPE_CHOICES, dtype_name, parse_guard_names, resolve_dtypes
+from isoserve.config import DTYPE_CHOICES, GUARD_NAMES, dtype_name, parse_guard_names, resolve_dtypes
 from isoserve.disagg.cores import POLICIES
 
 
@@ -16,12 +16,12 @@ def _engine_args(p: argparse.ArgumentParser) -> None:
     p.add_argument("--dtype", default="auto", choices=DTYPE_CHOICES,
                    help="auto (default): bfloat16 where the CPU (or GPU) computes in it natively, "
                         "float32 elsewhere")
-    p.add_argument("--kv-dtype", default="auto", choices=KV_DTYPE_CHOICES,
+    p.add_argument("--kv-dtype", default="auto", choices=DTYPE_CHOICES,
                    help="the KV cache's dtype: the model's, or bfloat16 under a float32 model, which "
                         "halves the bytes each decode step reads and doubles the tokens a pool holds "
                         "(K and V rounded to bfloat16 as they are written). auto (default): the model's, "
-                        "but bfloat16 where --dtype auto runs the bfloat16 checkpoint in float32 on a CPU "
-                        "without native bfloat16")
+                        "but bfloat16 where --dtype auto falls back to float32 on a CPU without native "
+                        "bfloat16")
     p.add_argument("--device", default="cpu", help="cpu (default) or cuda")
     p.add_argument("--page-size", type=int, default=16, help="tokens per KV page (default 16)")
     p.add_argument("--context-length", type=int, default=None, help="default: the model's")

@@ -25,7 +25,6 @@ GUARD_NAMES = ("admission", "capacity_audit", "writer_tags", "transfer_coverage"
 DTYPES = {"bfloat16": "bfloat16", "bf16": "bfloat16", "float32": "float32", "fp32": "float32",
           "float16": "float16", "fp16": "float16"}
 DTYPE_CHOICES = ("auto", "bfloat16", "float32", "float16")  # the --dtype flags' choices
-KV_DTYPE_CHOICES = DTYPE_CHOICES  # the --kv-dtype flags' choices (config.parse_kv_dtype says which pairs)
 
 
 def native_bfloat16(device: str = "cpu") -> bool:

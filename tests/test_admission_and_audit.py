@@ -361,7 +361,7 @@ def test_router_exports_worker_counters_by_their_growth():
     from isoserve.server.router import Router, RouterSettings, WorkerInfo
 
     metrics = Metrics()
-    router = Router(RouterSettings("m", 8192, 16), b"s" * 32, "ipc:///nonexistent", None, metrics)
+    router = Router(RouterSettings("m", 8192, 16, "float32"), b"s" * 32, "ipc:///nonexistent", None, metrics)
     try:
         worker = WorkerInfo("decode-0", "decode", 1, "vm", 1024, 64, 16, 8192, "ipc:///kv")
         pages = {"pages_total": 64, "pages_used": 0, "pages_free": 64}
@@ -383,7 +383,7 @@ def test_router_refuses_a_worker_whose_kv_cache_has_another_dtype():
     from isoserve.server.metrics import Metrics
     from isoserve.server.router import Router, RouterSettings
 
-    router = Router(RouterSettings("m", 8192, 16, kv_dtype="bfloat16"), b"s" * 32, "ipc:///nonexistent", None,
+    router = Router(RouterSettings("m", 8192, 16, "bfloat16"), b"s" * 32, "ipc:///nonexistent", None,
                     Metrics())
     try:
         hello = {"role": "decode", "pid": 1, "host": "vm", "model": "m", "page_size": 16, "pool_tokens": 16384,

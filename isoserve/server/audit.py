@@ -13,18 +13,21 @@ class AuditSettings:
     mode: str
     context_length: int
     page_size: int
+    kv_dtype: str  # the pools' dtype ("bfloat16", "float32"): a transfer's bytes mean that
     min_kv_headroom: float = 1.0
     allow_undersized_kv: bool = False
     audit_enabled: bool = True  # False only with --unsafe-disable-guard capacity_audit
 
 
 def audit_worker(s: AuditSettings, role: str, pool_tokens: int, page_size: int,
-                 context_length: int) -> str:
+                 context_length: int, kv_dtype: str | None) -> str:
     """Why a worker may not serve, or "" when it may."""
     if role not in ROLES_BY_MODE[s.mode]:
         return f"role {role} is not used in {s.mode} mode"
     if page_size != s.page_size:
         return f"page size {page_size} differs from the cluster's {s.page_size}"
+    if kv_dtype != s.kv_dtype:  # its transfers would each be refused (disagg/manifest.py)
+        return f"keeps its KV cache in {kv_dtype}, the cluster's is {s.kv_dtype}"
     if context_length != s.context_length:
         return f"context length {context_length} differs from the cluster's {s.context_length}"
     needed = s.context_length * s.min_kv_headroom

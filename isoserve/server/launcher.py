@@ -111,10 +111,10 @@ def check_config(args) -> int:
     ckpt = _model_or_exit("check-config", args.model,
                           lambda: load_checkpoint(args.model, parse_dtype(args.dtype), cache_dir=args.cache_dir))
     context = args.context_length or ckpt.config.max_position_embeddings
-    settings = AuditSettings(args.mode, context, args.page_size, args.min_kv_headroom,
+    settings = AuditSettings(args.mode, context, args.page_size, args.kv_dtype, args.min_kv_headroom,
                              args.allow_undersized_kv, "capacity_audit" not in args.disabled_guards)
     pools = _planned_pools(args, ckpt.config, context)
-    rows = [(g, f"{g} (planned)", t, audit_worker(settings, g, t, args.page_size, context))
+    rows = [(g, f"{g} (planned)", t, audit_worker(settings, g, t, args.page_size, context, args.kv_dtype))
             for g, t in pools]
     by_group = {g: [t for gg, t in pools if gg == g] for g, _ in pools}
     agg = by_group.get("aggregated", [])

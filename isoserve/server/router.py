@@ -62,8 +62,8 @@ class RouterSettings:
     model_name: str
     context_length: int
     page_size: int
+    kv_dtype: str  # every worker's KV pool dtype (config.resolve_dtypes)
     mode: str = "disaggregated"
-    kv_dtype: str | None = None  # the cluster's KV pool dtype (launcher: always set); None: any
     min_kv_headroom: float = 1.0
     allow_undersized_kv: bool = False
     disabled_guards: frozenset[str] = frozenset()
@@ -79,7 +79,7 @@ class Router:
     def __init__(self, settings: RouterSettings, secret: bytes, listen: str, tokenizer, metrics):
         self.settings = settings
         self.audit_settings = AuditSettings(
-            settings.mode, settings.context_length, settings.page_size, settings.min_kv_headroom,
+            settings.mode, settings.context_length, settings.page_size, settings.kv_dtype, settings.min_kv_headroom,
             settings.allow_undersized_kv, "capacity_audit" not in settings.disabled_guards)
         self.model_name = settings.model_name
         self.tokenizer = tokenizer
@@ -314,12 +314,9 @@ class Router:
                           kv_endpoint=b["kv_endpoint"])
         if b.get("model") != self.model_name:
             info.refusal = f"serves model {b.get('model')!r}, the router serves {self.model_name!r}"
-        elif self.settings.kv_dtype is not None and b.get("kv_dtype") != self.settings.kv_dtype:
-            # Its transfers would be refused one by one (disagg/manifest.py): refuse it once, here.
-            info.refusal = f"keeps its KV cache in {b.get('kv_dtype')}, the cluster's is {self.settings.kv_dtype}"
         else:
             info.refusal = audit_worker(self.audit_settings, info.role, info.pool_tokens,
-                                        info.page_size, info.context_length)
+                                        info.page_size, info.context_length, b.get("kv_dtype"))
         info.state = "refused" if info.refusal else "up"
         self.workers[identity] = info
         if info.refusal:
