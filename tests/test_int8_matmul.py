@@ -20,7 +20,7 @@ from isoserve.model.loader import load_checkpoint
 from isoserve.model.projection import Projection
 from isoserve.model.quantized import EVERY_STEP
 from isoserve.model.vector_blocks import PANEL
-from tiny_models import HAS_AVX2, NEEDS_AVX2 as needs_avx2
+from tiny_models import HAS_AVX2, HAS_AVX512_VNNI, NEEDS_AVX2 as needs_avx2
 
 
 def _q4_blocks(rows: int, cols: int, g: torch.Generator):
@@ -50,6 +50,10 @@ def _q8(rows: int, cols: int, seed: int):
 
 def test_the_kernels_run_exactly_where_the_cpu_has_avx2():
     assert (cpu_ops().int8_status() == "") == HAS_AVX2
+
+
+def test_the_kernels_take_the_avx512_vnni_tiles_exactly_where_the_cpu_has_them():
+    assert cpu_ops().int8_isa() == ("avx512-vnni" if HAS_AVX512_VNNI else "avx2" if HAS_AVX2 else "")
 
 
 def test_q4_1_group_codes_put_four_inputs_of_eight_outputs_in_each_32_bytes():
@@ -92,11 +96,13 @@ def test_weights_whose_outputs_do_not_fill_panels_keep_the_dense_path():
 @needs_avx2
 @pytest.mark.parametrize("make", [_q4, _q8], ids=["q4_1", "q8_0"])
 @pytest.mark.parametrize("outputs", [96, 40])
-@pytest.mark.parametrize("rows", [1, 2, 3, 4, 5, 7, 9, 17, 32])
+@pytest.mark.parametrize("rows", [1, 2, 3, 4, 5, 7, 8, 9, 12, 17, 32, 33, 64])
 def test_the_kernels_compute_llama_cpps_arithmetic(make, rows, outputs):
-    # Rows in tiles of up to 4 (9 is 3 + 3 + 3, 17 is 4 + 4 + 4 + 5... of equal size); 40
-    # outputs are 5 panels, so the last one goes alone. Against the same arithmetic in float64
-    # the error is float32's sum over the blocks: a few ulps of the sum of |terms|.
+    # Rows in tiles of up to 4 on AVX2, 8 on AVX512-VNNI (9 is 3 + 3 + 3 or one of 4 and one of
+    # 5, 17 is 4 + 4 + 4 + 5 or 5 + 6 + 6... of equal size), one tile reading the weights in
+    # place, several a gathered copy; 40 outputs are 5 panels, so the last one goes alone (by
+    # AVX2's tiles on both). Against the same arithmetic in float64 the error is float32's sum
+    # over the blocks: a few ulps of the sum of |terms|.
     weight, codes, d, m, dense = make(outputs, 160, seed=rows)
     x = torch.randn(rows, 160, generator=torch.Generator().manual_seed(100 + rows))
     x[0, :32] = 0  # a block of zeros has scale 0

@@ -40,6 +40,9 @@ def _cpu_has_amx() -> bool:
 HAS_AMX = _cpu_has_amx()
 # Whether the float32 block kernels (kernels/vector_matmul.cpp) must run here (-march=native).
 HAS_AVX2 = {"avx2", "fma"} <= set(next(line for line in open("/proc/cpuinfo") if line.startswith("flags")).split())
+# Whether the int8 block kernels (kernels/int8_matmul.cpp) take their AVX512-VNNI tiles here.
+HAS_AVX512_VNNI = HAS_AVX2 and {"avx512f", "avx512bw", "avx512_vnni"} <= set(
+    next(line for line in open("/proc/cpuinfo") if line.startswith("flags")).split())
 # For the tests of the int8 path, which only a CPU with AVX2 and FMA takes.
 NEEDS_AVX2 = pytest.mark.skipif(not HAS_AVX2, reason="int8 activations run only on CPUs with AVX2 and FMA, which "
                                 "this one lacks: float32 never takes that path here")

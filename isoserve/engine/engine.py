@@ -93,7 +93,10 @@ class Engine:
     def _quantized_summary(self) -> str:
         if not self.model.quantized_projections:
             return "off"
-        return "; ".join(f"{n} x {path}" for path, n in self.model.quantized_paths.items())
+        paths = "; ".join(f"{n} x {path}" for path, n in self.model.quantized_paths.items())
+        if any("int8" in path for path in self.model.quantized_paths):  # which tiles: AVX2's or AVX512-VNNI's
+            paths += f" (int8 tiles: {self.model.ops.kernels.int8_isa()})"
+        return paths
 
     def _ops_summary(self) -> str:
         note = self.model.ops_note

@@ -17,6 +17,7 @@ import importlib.machinery
 import importlib.util
 import logging
 import os
+import platform
 import sys
 from pathlib import Path
 from types import ModuleType
@@ -46,13 +47,29 @@ def build_root() -> Path:
 
 
 def module_name() -> str:
-    """Names the build: a changed source, flag or torch version is a different library."""
+    """Names the build: a changed source, flag, torch version or CPU is a different library.
+    -march=native compiles for the instructions of the CPU it builds on (AVX-512 here, AVX2
+    there), so a cache folder shared by two kinds of machine must hold one build for each: one
+    built on the other would fault on its first instruction this CPU lacks."""
     import torch
     digest = hashlib.sha256()
     for part in (*(source.read_bytes() for source in SOURCES + HEADERS), " ".join(CFLAGS + LDFLAGS).encode(),
-                 torch.__version__.encode(), sys.version.encode()):
+                 torch.__version__.encode(), sys.version.encode(), cpu_features().encode()):
         digest.update(part)
     return f"isoserve_cpu_ops_{digest.hexdigest()[:12]}"
+
+
+def cpu_features() -> str:
+    """The CPU's instruction set extensions as Linux lists them (the first "flags" line of
+    /proc/cpuinfo), else the processor's name."""
+    try:
+        with open("/proc/cpuinfo") as cpuinfo:
+            for line in cpuinfo:
+                if line.startswith("flags"):
+                    return line.split(":", 1)[1].strip()
+    except OSError:
+        pass
+    return platform.machine() + " " + platform.processor()
 
 
 @functools.cache

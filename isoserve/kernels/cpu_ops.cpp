@@ -844,6 +844,7 @@ torch::Tensor q4_1_linear_f32(const torch::Tensor& x, const torch::Tensor& codes
 torch::Tensor q8_0_linear_f32(const torch::Tensor& x, const torch::Tensor& codes, const torch::Tensor& d);
 // int8_matmul.cpp
 std::string int8_status();
+std::string int8_isa();
 torch::Tensor q4_1_linear_i8(const torch::Tensor& x, const torch::Tensor& codes, const torch::Tensor& d,
                              const torch::Tensor& m);
 torch::Tensor q4_1_swiglu_i8(const torch::Tensor& x, const torch::Tensor& codes, const torch::Tensor& d,
@@ -881,6 +882,7 @@ PYBIND11_MODULE(TORCH_EXTENSION_NAME, m) {
   m.def("q8_0_linear_f32", &q8_0_linear_f32, "x W^T in float32 for Q8_0 blocks (model/vector_blocks.py), AVX2",
         py::arg("x"), py::arg("codes"), py::arg("d"));
   m.def("int8_status", &int8_status, "'' when q4_1_linear_i8 can run on this machine, else why not");
+  m.def("int8_isa", &int8_isa, "the int8 block matmuls' tiles: 'avx512-vnni', 'avx2', or '' where they cannot run");
   m.def("q4_1_linear_i8", &q4_1_linear_i8,
         "x W^T for Q4_1 blocks with x quantized to int8 by blocks of 32 (model/int8_blocks.py), AVX2",
         py::arg("x"), py::arg("codes"), py::arg("d"), py::arg("m"));

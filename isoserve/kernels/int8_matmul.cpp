@@ -32,6 +32,15 @@
 // Threads split the pairs of panels; a step's rows go in tiles of up to 4 (8 int16 sums, two
 // panels' weights and an input fit the 16 registers). A step of several tiles widens a pair of
 // panels once into a buffer of bytes that each tile reads; a step of one tile widens in registers.
+//
+// With AVX512-VNNI (AMD Zen 4, Intel Ice Lake and later) a pair of panels is one 16-lane vector,
+// and vpdpbusd multiplies a group's 64 byte pairs and adds them, 4 by 4, to 16 int32 sums: one
+// instruction where AVX2 takes two vpmaddubsw and two adds per pair of panels, and no widening
+// of int16 sums at each block end. Its operands are unsigned x signed bytes: Q4_1's codes are
+// unsigned; for Q8_0 the activations go unsigned instead, q + 128, and each block's sums start
+// at -128 times the sum of its codes, so the integer sums are exactly AVX2's. The float32 steps
+// are AVX2's in the same order, lane for lane, so both paths give the same bits. With 32
+// registers a tile holds up to 8 rows (the tile_512 section below).
 #include <torch/extension.h>
 #include <ATen/Parallel.h>
 
@@ -45,6 +54,11 @@
 #include <memory>
 #include <string>
 #include <vector>
+
+// AVX512-VNNI: pairs of panels as 16-lane vectors (the tile_512 section).
+#if defined(__AVX2__) && defined(__FMA__) && defined(__AVX512F__) && defined(__AVX512BW__) && defined(__AVX512VNNI__)
+#define ISOSERVE_INT8_ZMM 1
+#endif
 
 namespace {
 
@@ -68,7 +82,8 @@ inline int32_t sum_lanes(__m256i v) {
 }
 
 // One row's block of 32 inputs: its 8 words of codes into words[0], words[stride], ...
-inline void quantize_block(const float* x, int32_t* words, int64_t stride, float* scale, float* sum) {
+// flip: 0, or 0x80808080 for codes as unsigned bytes q + 128 (the AVX-512 Q8_0 tiles).
+inline void quantize_block(const float* x, int32_t* words, int64_t stride, float* scale, float* sum, int32_t flip) {
   const __m256 sign = _mm256_set1_ps(-0.0f);
   __m256 v[4];
   for (int i = 0; i < 4; ++i) v[i] = _mm256_loadu_ps(x + 8 * i);
@@ -89,7 +104,7 @@ inline void quantize_block(const float* x, int32_t* words, int64_t stride, float
       _mm256_setr_epi32(0, 4, 1, 5, 2, 6, 3, 7));
   alignas(32) int32_t out[8];
   _mm256_store_si256(reinterpret_cast<__m256i*>(out), bytes);
-  for (int w = 0; w < 8; ++w) words[w * stride] = out[w];
+  for (int w = 0; w < 8; ++w) words[w * stride] = out[w] ^ flip;
 }
 
 // Rows in tiles of equal size (10 rows: 4 + 3 + 3): tile t is rows [first_row(t), first_row(t + 1)).
@@ -98,7 +113,7 @@ struct Tiles {
   int64_t first_row(int64_t t) const { return rows * t / count; }
 };
 
-QuantizedRows quantize_rows(const float* x, int64_t rows, int64_t K, const Tiles& tiles) {
+QuantizedRows quantize_rows(const float* x, int64_t rows, int64_t K, const Tiles& tiles, int32_t flip) {
   QuantizedRows out{std::unique_ptr<int32_t[]>(new int32_t[rows * K / 4]),
                     std::unique_ptr<float[]>(new float[rows * K / 32]), std::unique_ptr<float[]>(new float[rows * K / 32])};
   // Threads for prefill-sized steps only (a 2,048-row down projection quantizes 3 M inputs);
@@ -110,7 +125,7 @@ QuantizedRows quantize_rows(const float* x, int64_t rows, int64_t K, const Tiles
     for (int64_t r = 0; r < R; ++r)
       for (int64_t b = 0; b < K / 32; ++b)
         quantize_block(x + (r0 + r) * K + 32 * b, tile + 8 * b * R + r, R, &out.scale[(r0 + r) * K / 32 + b],
-                       &out.sum[(r0 + r) * K / 32 + b]);
+                       &out.sum[(r0 + r) * K / 32 + b], flip);
   }
   });
   return out;
@@ -269,23 +284,194 @@ inline void panels_for_all_tiles(int64_t p, const QuantizedRows& q, const Tiles&
   }
 }
 
-template <typename Format, bool Swiglu = false>
-torch::Tensor int8_linear(const char* name, const torch::Tensor& x, const torch::Tensor& codes,
-                          const torch::Tensor& d, const torch::Tensor* m) {
-  isoserve::check_block_linear(name, x, codes, d, m, [](int64_t K) { return K / 32 * Format::kBlockBytes; });
-  const int64_t rows = x.size(0), K = x.size(1), panels = d.size(0), blocks = K / 32;
-  TORCH_CHECK(!Swiglu || panels % 2 == 0, name, " takes pairs of gate and up panels, not ", panels, " panels");
-  const int64_t N = (Swiglu ? panels / 2 : panels) * kPanel;  // outputs
-  auto y = torch::empty({rows, N}, x.options());
-  if (rows == 0) return y;
+#ifdef ISOSERVE_INT8_ZMM
+// ---- AVX512-VNNI: a pair of panels in one vector --------------------------------------------
+constexpr int kZmmTile = 8;  // rows: 8 int32 and 8 float32 sums, the weights and an input in 32 registers
+
+// Panel 0's 32 bytes in the low half, panel 1's in the high half.
+inline __m512i join(__m256i low, __m256i high) { return _mm512_inserti64x4(_mm512_castsi256_si512(low), high, 1); }
+inline __m512 join(__m256 low, __m256 high) {
+  return _mm512_castpd_ps(_mm512_insertf64x4(_mm512_castpd256_pd512(_mm256_castps_pd(low)), _mm256_castps_pd(high), 1));
+}
+
+// Group g of block b of two panels, as vpdpbusd's weight operand, and a group's products added to s.
+struct Q4_1x16 {
+  using Format = Q4_1;
+  static constexpr int32_t kFlip = 0;
+  static inline __m512i group(const uint8_t* p0, const uint8_t* p1, int g) {
+    const __m512i v = join(_mm256_loadu_si256(reinterpret_cast<const __m256i*>(p0 + 32 * (g % 4))),
+                           _mm256_loadu_si256(reinterpret_cast<const __m256i*>(p1 + 32 * (g % 4))));
+    return _mm512_and_si512(g < 4 ? v : _mm512_srli_epi16(v, 4), _mm512_set1_epi8(15));
+  }
+  static inline __m512i dot(__m512i s, __m512i w, __m512i a) { return _mm512_dpbusd_epi32(s, w, a); }  // codes unsigned
+};
+
+struct Q8_0x16 {
+  using Format = Q8_0;
+  static constexpr int32_t kFlip = static_cast<int32_t>(0x80808080u);  // activations as q + 128
+  static inline __m512i group(const uint8_t* p0, const uint8_t* p1, int g) {
+    return join(_mm256_loadu_si256(reinterpret_cast<const __m256i*>(p0 + 32 * g)),
+                _mm256_loadu_si256(reinterpret_cast<const __m256i*>(p1 + 32 * g)));
+  }
+  static inline __m512i dot(__m512i s, __m512i w, __m512i a) { return _mm512_dpbusd_epi32(s, a, w); }  // codes signed
+};
+
+// Where a block's sums start: 0 for Q4_1; for Q8_0 -128 times each output's sum of codes, which
+// takes back what the activations' + 128 added.
+template <typename F>
+inline __m512i block_start(const __m512i* w) {
+  if constexpr (F::kFlip == 0) {
+    return _mm512_setzero_si512();
+  } else {
+    __m512i codes = _mm512_setzero_si512();
+    for (int g = 0; g < 8; ++g) codes = _mm512_dpbusd_epi32(codes, _mm512_set1_epi8(1), w[g]);
+    return _mm512_sub_epi32(_mm512_setzero_si512(), _mm512_slli_epi32(codes, 7));
+  }
+}
+
+// Where a tile's pairs of panels come from: a step of one tile reads each group where it lies
+// (InPlace); one of several tiles gathers the pair once into a buffer that every tile reads
+// (Gathered: 8 vectors a block, then a start a block; 27 KB for K = 1,536, in L1 and L2), which
+// one tile would only write and read back. The sums are the same either way.
+template <typename F>
+struct InPlace {
+  const uint8_t* codes;  // panel p's; panel p + 1's follow panel_bytes later
+  int64_t panel_bytes;
+  inline __m512i group(int64_t b, int g) const {
+    const uint8_t* p0 = codes + b * F::Format::kBlockBytes;
+    return F::group(p0, p0 + panel_bytes, g);
+  }
+  inline __m512i start(int64_t b) const {
+    if constexpr (F::kFlip == 0) return _mm512_setzero_si512();
+    __m512i w[8];
+    for (int g = 0; g < 8; ++g) w[g] = group(b, g);
+    return block_start<F>(w);
+  }
+};
+
+template <typename F>
+struct Gathered {
+  const __m512i* buffer;
+  int64_t blocks;
+  inline __m512i group(int64_t b, int g) const { return buffer[b * 8 + g]; }
+  inline __m512i start(int64_t b) const { return buffer[blocks * 8 + b]; }
+  static void gather(__m512i* buffer, const InPlace<F>& source, int64_t blocks) {
+    for (int64_t b = 0; b < blocks; ++b) {
+      for (int g = 0; g < 8; ++g) buffer[b * 8 + g] = source.group(b, g);
+      buffer[blocks * 8 + b] = block_start<F>(buffer + b * 8);
+    }
+  }
+};
+
+// y[r, 16 p' .. 16 p' + 16) for the R rows of a tile and a pair of panels; with Swiglu (a gate
+// panel and its up panel), y[r, 8 p' .. 8 p' + 8) = silu(gate) * up. AVX2's tile() lane for lane.
+template <typename F, int R, bool Swiglu, typename Source>
+inline void tile_512(const int32_t* words, const float* scale, const float* sum, int64_t K, const Source& source,
+                     const float* d, const float* m, int64_t panel_stride, float* y, int64_t N) {
+  __m512 acc[R];
+  for (int r = 0; r < R; ++r) acc[r] = _mm512_setzero_ps();
+  const int64_t blocks = K / 32;
+  for (int64_t b = 0; b < blocks; ++b) {
+    __m512i block[R];
+    const __m512i start = source.start(b);
+    for (int r = 0; r < R; ++r) block[r] = start;
+#pragma GCC unroll 8
+    for (int g = 0; g < 8; ++g, words += R) {
+      const __m512i w = source.group(b, g);
+#pragma GCC unroll 8
+      for (int r = 0; r < R; ++r) block[r] = F::dot(block[r], w, _mm512_set1_epi32(words[r]));
+    }
+    const __m512 vd = join(_mm256_loadu_ps(d + b * kPanel), _mm256_loadu_ps(d + panel_stride + b * kPanel));
+#pragma GCC unroll 8
+    for (int r = 0; r < R; ++r) {
+      const __m512 da = _mm512_mul_ps(vd, _mm512_set1_ps(scale[r * blocks + b]));
+      acc[r] = _mm512_fmadd_ps(_mm512_cvtepi32_ps(block[r]), da, acc[r]);
+      if (F::Format::kHasMin)
+        acc[r] = _mm512_fmadd_ps(join(_mm256_loadu_ps(m + b * kPanel), _mm256_loadu_ps(m + panel_stride + b * kPanel)),
+                                 _mm512_set1_ps(sum[r * blocks + b]), acc[r]);
+    }
+  }
+  for (int r = 0; r < R; ++r) {
+    if constexpr (Swiglu)
+      _mm256_storeu_ps(y + r * N, isoserve::silu_times8(_mm512_castps512_ps256(acc[r]), _mm512_extractf32x8_ps(acc[r], 1)));
+    else
+      _mm512_storeu_ps(y + r * N, acc[r]);
+  }
+}
+
+template <typename F, bool Swiglu, typename Source>
+inline void tile_512_of(int rows, const int32_t* words, const float* scale, const float* sum, int64_t K,
+                        const Source& source, const float* d, const float* m, int64_t panel_stride, float* y, int64_t N) {
+  switch (rows) {
+    case 1: return tile_512<F, 1, Swiglu>(words, scale, sum, K, source, d, m, panel_stride, y, N);
+    case 2: return tile_512<F, 2, Swiglu>(words, scale, sum, K, source, d, m, panel_stride, y, N);
+    case 3: return tile_512<F, 3, Swiglu>(words, scale, sum, K, source, d, m, panel_stride, y, N);
+    case 4: return tile_512<F, 4, Swiglu>(words, scale, sum, K, source, d, m, panel_stride, y, N);
+    case 5: return tile_512<F, 5, Swiglu>(words, scale, sum, K, source, d, m, panel_stride, y, N);
+    case 6: return tile_512<F, 6, Swiglu>(words, scale, sum, K, source, d, m, panel_stride, y, N);
+    case 7: return tile_512<F, 7, Swiglu>(words, scale, sum, K, source, d, m, panel_stride, y, N);
+    case 8: return tile_512<F, 8, Swiglu>(words, scale, sum, K, source, d, m, panel_stride, y, N);
+  }
+}
+
+// Panels p and p + 1 for every tile of the step.
+template <typename F, bool Swiglu>
+inline void panel_pair_512(int64_t p, const QuantizedRows& q, const Tiles& tiles, int64_t K, const uint8_t* cp,
+                           const float* dp, const float* mp, float* yp, int64_t N, __m512i* buffer) {
+  const int64_t blocks = K / 32, panel_stride = blocks * kPanel, panel_bytes = blocks * F::Format::kBlockBytes;
+  const InPlace<F> in_place{cp + p * panel_bytes, panel_bytes};
+  if (tiles.count > 1) Gathered<F>::gather(buffer, in_place, blocks);
+  const Gathered<F> gathered{buffer, blocks};
+  for (int64_t t = 0; t < tiles.count; ++t) {
+    const int64_t r0 = tiles.first_row(t);
+    const int rows = static_cast<int>(tiles.first_row(t + 1) - r0);
+    const int32_t* words = q.words.get() + r0 * K / 4;
+    const float *scale = q.scale.get() + r0 * blocks, *sum = q.sum.get() + r0 * blocks;
+    const float *d = dp + p * panel_stride, *m = mp ? mp + p * panel_stride : nullptr;
+    float* y = yp + r0 * N + (Swiglu ? p / 2 : p) * kPanel;
+    if (tiles.count > 1)
+      tile_512_of<F, Swiglu>(rows, words, scale, sum, K, gathered, d, m, panel_stride, y, N);
+    else
+      tile_512_of<F, Swiglu>(rows, words, scale, sum, K, in_place, d, m, panel_stride, y, N);
+  }
+}
+
+template <typename Format> struct Zmm;
+template <> struct Zmm<Q4_1> { using type = Q4_1x16; };
+template <> struct Zmm<Q8_0> { using type = Q8_0x16; };
+
+// Every pair of panels by the tiles above; an odd panel count's last panel by AVX2's, over the
+// rows quantized again for those (unflipped, in tiles of 4).
+template <typename Format, bool Swiglu>
+void all_panels(const torch::Tensor& x, int64_t K, const uint8_t* cp, const float* dp, const float* mp, float* yp,
+                int64_t panels, int64_t N) {
+  using F = typename Zmm<Format>::type;
+  const int64_t rows = x.size(0), blocks = K / 32;
+  const Tiles tiles{rows, (rows + kZmmTile - 1) / kZmmTile};
+  const QuantizedRows q = quantize_rows(x.data_ptr<float>(), rows, K, tiles, F::kFlip);
+  at::parallel_for(0, (panels + 1) / 2, 1, [&](int64_t begin, int64_t end) {
+    std::unique_ptr<__m512i[]> buffer(tiles.count > 1 ? new __m512i[blocks * 9] : nullptr);
+    for (int64_t pair = begin; pair < end; ++pair) {
+      if (2 * pair + 1 < panels) {
+        panel_pair_512<F, Swiglu>(2 * pair, q, tiles, K, cp, dp, mp, yp, N, buffer.get());
+      } else if constexpr (!Swiglu) {
+        const Tiles narrow{rows, (rows + kTile - 1) / kTile};
+        std::unique_ptr<__m256i[]> wide(new __m256i[blocks * 8 * Format::kVectors]);
+        panels_for_all_tiles<Format, 1, false>(2 * pair, quantize_rows(x.data_ptr<float>(), rows, K, narrow, 0), narrow,
+                                               K, cp, dp, mp, yp, N, wide.get());
+      }
+    }
+  });
+}
+#else
+// Every pair of panels (and an odd panel count's last one) by the tiles above.
+template <typename Format, bool Swiglu>
+void all_panels(const torch::Tensor& x, int64_t K, const uint8_t* cp, const float* dp, const float* mp, float* yp,
+                int64_t panels, int64_t N) {
+  const int64_t rows = x.size(0), blocks = K / 32;
   const Tiles tiles{rows, (rows + kTile - 1) / kTile};
-  const QuantizedRows q = quantize_rows(x.data_ptr<float>(), rows, K, tiles);
-  float* yp = y.data_ptr<float>();
-  const uint8_t* cp = codes.data_ptr<uint8_t>();
-  const float* dp = d.data_ptr<float>();
-  const float* mp = m ? m->data_ptr<float>() : nullptr;
-  const int64_t pairs = (panels + 1) / 2;
-  at::parallel_for(0, pairs, 1, [&](int64_t begin, int64_t end) {
+  const QuantizedRows q = quantize_rows(x.data_ptr<float>(), rows, K, tiles, 0);
+  at::parallel_for(0, (panels + 1) / 2, 1, [&](int64_t begin, int64_t end) {
     // Q4_1, K = 576: 9 KB, in L1; allocated only where the step has several tiles
     std::unique_ptr<__m256i[]> buffer(tiles.count > 1 ? new __m256i[blocks * 8 * 2 * Format::kVectors] : nullptr);
     for (int64_t pair = begin; pair < end; ++pair) {
@@ -295,6 +481,20 @@ torch::Tensor int8_linear(const char* name, const torch::Tensor& x, const torch:
         panels_for_all_tiles<Format, 1, false>(2 * pair, q, tiles, K, cp, dp, mp, yp, N, buffer.get());
     }
   });
+}
+#endif
+
+template <typename Format, bool Swiglu = false>
+torch::Tensor int8_linear(const char* name, const torch::Tensor& x, const torch::Tensor& codes,
+                          const torch::Tensor& d, const torch::Tensor* m) {
+  isoserve::check_block_linear(name, x, codes, d, m, [](int64_t K) { return K / 32 * Format::kBlockBytes; });
+  const int64_t rows = x.size(0), K = x.size(1), panels = d.size(0);
+  TORCH_CHECK(!Swiglu || panels % 2 == 0, name, " takes pairs of gate and up panels, not ", panels, " panels");
+  const int64_t N = (Swiglu ? panels / 2 : panels) * kPanel;  // outputs
+  auto y = torch::empty({rows, N}, x.options());
+  if (rows == 0) return y;
+  all_panels<Format, Swiglu>(x, K, codes.data_ptr<uint8_t>(), d.data_ptr<float>(), m ? m->data_ptr<float>() : nullptr,
+                             y.data_ptr<float>(), panels, N);
   return y;
 }
 #else
@@ -306,6 +506,15 @@ constexpr bool kBuiltForAvx2 = false;
 // "" when the int8 block matmuls can run here (built with AVX2 and FMA), else why not.
 std::string int8_status() {
   return kBuiltForAvx2 ? "" : "the kernels were built for a CPU without AVX2 and FMA";
+}
+
+// Which tiles the int8 block matmuls run: "avx512-vnni", "avx2", or "" where they cannot run.
+std::string int8_isa() {
+#ifdef ISOSERVE_INT8_ZMM
+  return "avx512-vnni";
+#else
+  return kBuiltForAvx2 ? "avx2" : "";
+#endif
 }
 
 #if defined(__AVX2__) && defined(__FMA__)
