@@ -153,8 +153,8 @@ def test_fused_ops_take_the_kernel_only_where_it_applies():
     assert fused.amx_prefill_for(64, PAGE) == HAS_AMX and fused.amx_prefill_for(32, 2 * PAGE) == HAS_AMX
     assert not fused.amx_prefill_for(128, PAGE) and not fused.amx_prefill_for(64, 8)
     assert not FusedOps(cpu_ops(), torch.float32).amx_prefill_for(64, PAGE)
-    assert FusedOps(cpu_ops(), torch.float32)._vector_prefill == cpu_ops().has_f32x8
-    assert not fused._vector_prefill  # bfloat16 never takes the float32 decode kernel
+    assert FusedOps(cpu_ops(), torch.float32)._prefill_as_decode  # on AVX2 and AVX-512 builds alike
+    assert not fused._prefill_as_decode  # bfloat16 never takes the float32 decode kernel
     q, k, v, attn = _case(CASES["a wave of prompts"], SHAPES[0], seed=4)
     out = torch.zeros_like(q)
     fused.prefill_attention(q, k, v, attn, SCALE, out)
@@ -169,7 +169,7 @@ def test_fused_ops_take_the_kernel_only_where_it_applies():
 @pytest.mark.parametrize("shape", SHAPES, ids=str)
 @pytest.mark.parametrize("case", CASES, ids=str)
 def test_float32_short_chunks_as_decode_queries_read_only_their_keys_and_write_only_their_rows(case, shape):
-    """float32 on AVX2: chunks of at most SHORT_PREFILL_CONTEXT keys go through the decode
+    """float32: chunks of at most SHORT_PREFILL_CONTEXT keys go through the decode
     kernel, a query row at a time with its causal length, in one call; longer ones through
     torch's path. Either way each chunk's causal attention to float32 rounding, from its own
     first `context` keys only (NaN everywhere else in the pool), into its own rows only."""

@@ -76,8 +76,8 @@ class TorchOps:
         return logits.argmax(dim=-1)
 
 
-# Prefill chunks of at most this many keys go through the float32 decode kernel on AVX2, one
-# query row at a time (FusedOps.prefill_attention); longer ones through torch's flash kernel.
+# Prefill chunks of at most this many keys go through the float32 decode kernel, one query row
+# at a time (FusedOps.prefill_attention); longer ones through torch's flash kernel.
 SHORT_PREFILL_CONTEXT = 512
 
 
@@ -87,7 +87,7 @@ class FusedOps:
     def __init__(self, kernels, dtype: torch.dtype):
         self.kernels = kernels  # the read guard uses them too (kv/guard.py)
         self._amx_prefill = dtype == torch.bfloat16 and kernels.amx_status() == ""
-        self._vector_prefill = dtype == torch.float32 and kernels.has_f32x8
+        self._prefill_as_decode = dtype == torch.float32
         self.rms_norm = kernels.rms_norm
         self.add_rms_norm = kernels.add_rms_norm
         self.silu_mul = kernels.silu_mul
@@ -111,12 +111,15 @@ class FusedOps:
         if self.amx_prefill_for(q.shape[-1], k_cache.shape[2]):
             chunks, pages = attn.prefill_tables()
             self.kernels.prefill_attention(q, k_cache, v_cache, chunks, pages, out, scale)
-        elif self._vector_prefill:
+        elif self._prefill_as_decode:
             # A short chunk's queries as decode queries with causal lengths, all chunks in one
             # call: torch's flash kernel spends more on a chunk's setup than on its arithmetic
-            # here (32 chunks of 100 tokens: 27.9 ms a layer, 11.0 this way; on a Zen 3), but
-            # shares each key across a block of queries, which a long context pays back
-            # (2,000 tokens: 62 ms a layer against 126).
+            # here (32 chunks of 100 tokens: 27.9 ms a layer, 11.0 this way, on a Zen 3; the
+            # whole step 1.45 s against 1.60 on a Zen 4), but shares each key across a block of
+            # queries, which a long context pays back (2,000 tokens: 62 ms a layer against
+            # 126). Each query row's attention is then the same however its prompt was cut
+            # into chunks, so chunked prefill and recompute after preemption give the tokens of
+            # an unsplit prefill (tests/test_engine_batching.py); flash's blocks differ by cut.
             short = attn.prefill_queries(SHORT_PREFILL_CONTEXT)
             if short.rows.numel():
                 out[short.rows] = self.kernels.decode_attention(q[short.rows], k_cache, v_cache, short.pages,
