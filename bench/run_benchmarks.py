@@ -47,7 +47,7 @@ from isoserve.bench.local_server import (add_tenant, child_env, isoserve_cmd, lo
                                          shown)
 from isoserve.bench.machine import describe, machine_facts  # noqa: E402
 from isoserve.bench.plot import plot_runs  # noqa: E402
-from isoserve.config import GUARD_NAMES, resolve_dtypes  # noqa: E402
+from isoserve.config import GUARD_NAMES, AutoInputs, dtype_name, resolve_dtypes  # noqa: E402
 
 PARTS = ("offline", "serve", "target", "guards", "transfer", "llamacpp", "prefill", "roofline")
 TITLE = "# Benchmarks"
@@ -58,7 +58,8 @@ PAGE_SIZE = 16  # isoserve serve's default, which these runs keep
 class Plan:
     model: str
     dtype: str
-    kv_dtype: str  # isoserve's KV pool (config.parse_kv_dtype); the peers keep theirs in dtype
+    kv_dtype: str  # isoserve's KV pool (config.parse_kv_dtype)
+    peer_dtype: str  # transformers': the CPU's native dtype (bfloat16 where it has one), as issue 6 sets it
     quick: bool
     prompt_tokens: int = 100
     output_tokens: int = 128
@@ -82,17 +83,22 @@ class Plan:
         """isoserve's dtype flags, in every command that runs its engine."""
         return ["--dtype", self.dtype, "--kv-dtype", self.kv_dtype]
 
+    def peer_args(self) -> list[str]:
+        """The flags of the commands that also run transformers."""
+        return [*self.dtype_args(), "--peer-dtype", self.peer_dtype]
+
     @property
     def dtypes(self) -> str:
-        """The dtypes as headings name them: the model's, and the KV cache's where it differs."""
-        return self.dtype if self.kv_dtype == self.dtype else f"{self.dtype} (isoserve's KV cache {self.kv_dtype})"
+        """The dtypes as headings name them: the model's, the KV cache's and the peers' where they differ."""
+        text = self.dtype if self.kv_dtype == self.dtype else f"{self.dtype} (isoserve's KV cache {self.kv_dtype})"
+        return text if self.peer_dtype == self.dtype else f"{text}; transformers in {self.peer_dtype}"
 
     @classmethod
     def make(cls, args) -> Plan:
         if not args.quick:
-            return cls(args.model, args.dtype, args.kv_dtype, False, guard_rounds=args.guard_rounds or 2,
+            return cls(args.model, args.dtype, args.kv_dtype, args.peer_dtype, False, guard_rounds=args.guard_rounds or 2,
                        target_rounds=args.target_rounds or 3)
-        return cls(args.model, args.dtype, args.kv_dtype, True, output_tokens=16, offline_batches="1,2",
+        return cls(args.model, args.dtype, args.kv_dtype, args.peer_dtype, True, output_tokens=16, offline_batches="1,2",
                    serve_concurrency="1,4", guard_concurrency=4, num_requests=8,
                    guard_rounds=args.guard_rounds or 1, target_rounds=args.target_rounds or 1,
                    target_batch=4, zmq_messages=20,
@@ -166,7 +172,7 @@ def section(title: str, run: Run, commands: list[str], body: str) -> str:
 def part_offline(run: Run) -> str:
     p = run.plan
     out = run.work / "offline.json"
-    cmd = isoserve_cmd("bench", "--offline", "--model", p.model, *p.dtype_args(),
+    cmd = isoserve_cmd("bench", "--offline", "--model", p.model, *p.peer_args(),
                        "--batch", p.offline_batches, "--prompt-tokens", str(p.prompt_tokens),
                        "--output-tokens", str(p.output_tokens),
                        "--peers", "transformers,generate_batch", "--json", str(out))
@@ -255,7 +261,7 @@ def part_target(run: Run) -> str:
     rounds, commands = [], []
     for r in range(p.target_rounds):
         out = run.work / f"target-offline-round{r + 1}.json"
-        offline_cmd = isoserve_cmd("bench", "--offline", "--model", p.model, *p.dtype_args(),
+        offline_cmd = isoserve_cmd("bench", "--offline", "--model", p.model, *p.peer_args(),
                                    "--batch", str(p.target_batch), "--prompt-tokens", str(p.prompt_tokens),
                                    "--output-tokens", str(p.output_tokens), "--peers", "transformers",
                                    "--json", str(out))
@@ -455,7 +461,7 @@ def part_llamacpp(run: Run) -> str | None:
 def part_prefill(run: Run) -> str:
     p = run.plan
     out = run.work / "prefill.json"
-    cmd = isoserve_cmd("bench", "--prefill", "--model", p.model, *p.dtype_args(),
+    cmd = isoserve_cmd("bench", "--prefill", "--model", p.model, *p.peer_args(),
                        "--prompt-tokens", str(p.prefill_tokens), "--repeats", str(p.prefill_repeats),
                        "--peers", "transformers", "--json", str(out))
     binary, gguf = llama_peer(run)
@@ -504,7 +510,8 @@ def part_roofline(run: Run) -> str:
             else "the embedding's rows are gathered, not multiplied")
     matmuls = ", ".join(f"{'x'.join(map(str, m['shape']))}: {m['flops'] / 1e12:.3f}"
                         for m in data["matmuls"])
-    body = (f"This machine, measured in the same run: {p.dtype} `torch.matmul` at best "
+    floors = data.get("floor_dtype", p.dtype)
+    body = (f"This machine, measured in the same run: {floors} `torch.matmul` at best "
             f"**{data['peak_flops'] / 1e12:.3f} TFLOP/s** (TFLOP/s per [m, k] x [k, n] shape, "
             f"m x k x n: {matmuls}); memory bandwidth **{bw['bytes_per_s'] / 1e9:.1f} GB/s** (the "
             f"better of `.sum()` over a {bw['bytes'] / 2**20:.0f} MiB float32 tensor, "
@@ -523,8 +530,8 @@ def part_roofline(run: Run) -> str:
             f"steps in which all B decode (scheduling, guard, forward, sampling and detokenizing "
             f"included). Read guard: its own time within those steps, the median per step, and "
             f"its share of their total: what the guard costs a decode step. The memory floor "
-            f"counts every weight in {p.dtype} (issue 6 counts them in bfloat16, native on the CPU it "
-            f"was set on); \"weights it reads\" are the forms "
+            f"counts every weight in {floors}, the CPU's native dtype, whatever isoserve runs in "
+            f"(issue 6 counts them in bfloat16, native on the CPU it was set on); \"weights it reads\" are the forms "
             f"the step takes at that batch (the GGUF's Q4_1 and Q8_0 blocks where a quantized "
             f"tier covers it, model/quantized.py), and \"their floor\" is those bytes plus the KV "
             f"over the bandwidth.\n\n" + md_table(roofline.HEADERS, [roofline.cells(r) for r in data["results"]]))
@@ -559,7 +566,8 @@ def main() -> int:
     ap.add_argument("--work", type=Path, default=None, help="scratch folder (default bench/out/run-DATE)")
     args = ap.parse_args()
     try:  # every command and heading names the dtypes that ran
-        args.dtype, args.kv_dtype = resolve_dtypes(args.dtype, args.kv_dtype)
+        args.dtype, args.kv_dtype = resolve_dtypes(args.dtype, args.kv_dtype, auto=AutoInputs(args.model))
+        args.peer_dtype = dtype_name("auto")  # the CPU's own choice, whatever isoserve runs in
     except ValueError as e:
         ap.error(str(e))
     parts = [p.strip() for p in args.parts.split(",") if p.strip()]

@@ -6,7 +6,7 @@ import logging
 import os
 import sys
 
-from isoserve.config import DTYPE_CHOICES, GUARD_NAMES, dtype_name, parse_guard_names, resolve_dtypes
+from isoserve.config import DTYPE_CHOICES, GUARD_NAMES, AutoInputs, dtype_name, parse_guard_names, resolve_dtypes
 from isoserve.disagg.cores import POLICIES
 
 
@@ -189,13 +189,16 @@ def decide_dtype(args: argparse.Namespace) -> None:
     """--dtype auto and --kv-dtype auto become the dtypes they stand for, once, here: the router
     sizes the pools with them and starts its workers with them, and every log line names them."""
     device = getattr(args, "device", "cpu")
+    auto = AutoInputs.of(args)
     if getattr(args, "kv_dtype", None) is not None:
         try:
-            args.dtype, args.kv_dtype = resolve_dtypes(args.dtype, args.kv_dtype, device)
+            args.dtype, args.kv_dtype = resolve_dtypes(args.dtype, args.kv_dtype, device, auto)
         except ValueError as e:
             raise SystemExit(f"isoserve: {e}") from None
     elif getattr(args, "dtype", None) == "auto":
-        args.dtype = dtype_name("auto", device)
+        args.dtype = dtype_name("auto", device, auto)
+    if getattr(args, "peer_dtype", None) is not None:  # the benchmarks' peers: the device's own choice
+        args.peer_dtype = dtype_name(args.peer_dtype, device)
 
 
 def main(argv: list[str] | None = None) -> int:

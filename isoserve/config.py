@@ -38,38 +38,66 @@ def native_bfloat16(device: str = "cpu") -> bool:
     return torch.backends.mkldnn.is_available() and torch.ops.mkldnn._is_mkldnn_bf16_supported()
 
 
-def parse_dtype(name: str | torch.dtype, device: str = "cpu") -> torch.dtype:
-    """A dtype by name; "auto" is bfloat16 where the device runs it natively, else float32."""
+@dataclass(frozen=True)
+class AutoInputs:
+    """What `--dtype auto` looks at besides the device: the model, where its converted weights
+    are cached, and whether the run may take the int8 block kernels (not under
+    --no-fused-kernels, --no-int8-activations or --int4-max-rows 0). Without a model, "auto"
+    is the device's own choice: what the benchmarks' peers run in."""
+    model: str | None = None
+    cache_dir: str | None = None
+    int8_blocks: bool = True
+
+    @classmethod
+    def of(cls, run) -> AutoInputs:
+        """From an EngineConfig or the parsed command line: both name these fields alike."""
+        return cls(getattr(run, "model", None), getattr(run, "cache_dir", None),
+                   getattr(run, "fused_kernels", True) and getattr(run, "int8_activations", None) is not False
+                   and getattr(run, "int4_max_rows", None) != 0)
+
+
+def parse_dtype(name: str | torch.dtype, device: str = "cpu", auto: AutoInputs = AutoInputs()) -> torch.dtype:
+    """A dtype by name. "auto" is bfloat16 where the device runs it natively, else float32;
+    except that on a CPU without AMX whose int8 block kernels have AVX512-VNNI (AMD Zen 4, say),
+    a GGUF whose projections are Q4_1 runs in float32 with int8 activations, which beat its
+    bfloat16 matmuls there (model/quantized.py, int8_blocks_preferred)."""
     import torch
 
     if isinstance(name, torch.dtype):
         return name
     if name == "auto":
-        return torch.bfloat16 if native_bfloat16(device) else torch.float32
+        if not native_bfloat16(device):
+            return torch.float32
+        if torch.device(device).type == "cpu" and auto.model is not None and auto.int8_blocks:
+            from isoserve.model.quantized import int8_blocks_preferred
+            if int8_blocks_preferred(auto.model, auto.cache_dir):
+                return torch.float32
+        return torch.bfloat16
     try:
         return getattr(torch, DTYPES[name])
     except KeyError:
         raise ValueError(f"unknown dtype {name!r}; use one of {', '.join(DTYPE_CHOICES)}") from None
 
 
-def dtype_name(name: str | torch.dtype, device: str = "cpu") -> str:
+def dtype_name(name: str | torch.dtype, device: str = "cpu", auto: AutoInputs = AutoInputs()) -> str:
     """The dtype's full name, "auto" decided: what logs show and workers are started with."""
-    return str(parse_dtype(name, device)).removeprefix("torch.")
+    return str(parse_dtype(name, device, auto)).removeprefix("torch.")
 
 
-def parse_kv_dtype(name: str | torch.dtype, dtype: str | torch.dtype, device: str = "cpu") -> torch.dtype:
+def parse_kv_dtype(name: str | torch.dtype, dtype: str | torch.dtype, device: str = "cpu",
+                   auto: AutoInputs = AutoInputs()) -> torch.dtype:
     """The KV pool's dtype, for a model run in `dtype` (as asked for: "auto" or a name).
 
     A pool keeps the model's dtype, or bfloat16 under a float32 model: half the bytes each decode
     step reads (decode attention waits on memory at batch 32) and twice the tokens a pool holds.
     K and V are then rounded to bfloat16 as they are written and widened back exactly as read.
-    "auto" is the model's dtype, except where `--dtype auto` fell back to float32 on a CPU
-    without native bfloat16: there the model runs in float32 only because bfloat16 matmuls are
-    slow, and its KV cache is bfloat16, whatever the checkpoint's dtype (`--kv-dtype float32`
-    keeps float32). Any other pair is refused: no kernel reads it."""
+    "auto" is the model's dtype, except where `--dtype auto` chose float32 on a CPU (for want
+    of native bfloat16, or for the int8 block kernels): there the model runs in float32 only
+    for its matmuls' sake, and its KV cache is bfloat16, whatever the checkpoint's dtype
+    (`--kv-dtype float32` keeps float32). Any other pair is refused: no kernel reads it."""
     import torch
 
-    model = parse_dtype(dtype, device)
+    model = parse_dtype(dtype, device, auto)
     if name == "auto":
         fell_back = dtype == "auto" and model == torch.float32 and torch.device(device).type == "cpu"
         return torch.bfloat16 if fell_back else model
@@ -80,11 +108,11 @@ def parse_kv_dtype(name: str | torch.dtype, dtype: str | torch.dtype, device: st
     return kv
 
 
-def resolve_dtypes(dtype: str, kv_dtype: str, device: str = "cpu") -> tuple[str, str]:
+def resolve_dtypes(dtype: str, kv_dtype: str, device: str = "cpu", auto: AutoInputs = AutoInputs()) -> tuple[str, str]:
     """(--dtype, --kv-dtype) with "auto" decided, as names: the KV cache's first, since its
     "auto" depends on whether --dtype was "auto". Raises ValueError for a pair no kernel reads."""
-    kv = dtype_name(parse_kv_dtype(kv_dtype, dtype, device))
-    return dtype_name(dtype, device), kv
+    kv = dtype_name(parse_kv_dtype(kv_dtype, dtype, device, auto))
+    return dtype_name(dtype, device, auto), kv
 
 
 def parse_guard_names(text: str | None) -> frozenset[str]:

@@ -27,6 +27,7 @@ import zmq
 from isoserve import LLM, SamplingParams
 from isoserve.disagg.wire import Signer
 from serving import add_tenant, free_port, isoserve_cmd, running_server, subprocess_env
+from tiny_models import HAS_AMX, HAS_AVX512_VNNI
 
 CONTEXT = 512   # --context-length of every process here: small, so long prompts stay cheap
 DEFAULT_POOL = 2 * CONTEXT  # what a worker allocates when no pool size is given
@@ -449,21 +450,29 @@ def test_serve_passes_prefill_max_num_seqs_to_prefill_workers_only():
     assert "--core-share-file" not in _worker_command(default, "decode", 0, "ipc:///r", "ipc:///kv", 1)
 
 
-def test_serve_decides_dtype_auto_once_by_the_cpu_and_starts_workers_with_it():
+def test_serve_decides_dtype_auto_once_by_the_cpu_and_the_model_and_starts_workers_with_it():
     # bfloat16 only where oneDNN computes in it (AVX-512 BW/VL/DQ or AVX-NE-CONVERT): elsewhere
-    # oneDNN refuses to prepack a bfloat16 weight and torch widens it on every call.
+    # oneDNN refuses to prepack a bfloat16 weight and torch widens it on every call. And there,
+    # on a CPU without AMX whose int8 kernels have AVX512-VNNI, float32 for the default model (a
+    # GGUF of Q4_1 projections): its int8 block kernels beat bfloat16 there. Not when the run
+    # may not take them.
     from isoserve.cli import build_parser, decide_dtype
     from isoserve.server.launcher import _worker_command
 
     native = torch.backends.mkldnn.is_available() and torch.ops.mkldnn._is_mkldnn_bf16_supported()
+    int8 = HAS_AVX512_VNNI and not HAS_AMX
     args = build_parser().parse_args(["serve"])
     assert args.dtype == "auto"
     args.disabled_guards = frozenset()
     decide_dtype(args)
-    assert args.dtype == ("bfloat16" if native else "float32")
+    assert args.dtype == ("bfloat16" if native and not int8 else "float32")
     for role in ("prefill", "decode"):
         cmd = _worker_command(args, role, 0, "ipc:///r", "ipc:///kv", 1)
         assert cmd[cmd.index("--dtype") + 1] == args.dtype
+    for without_int8 in (["--no-fused-kernels"], ["--no-int8-activations"], ["--int4-max-rows", "0"]):
+        args = build_parser().parse_args(["serve", *without_int8])
+        decide_dtype(args)
+        assert args.dtype == ("bfloat16" if native else "float32"), without_int8
     chosen = build_parser().parse_args(["serve", "--dtype", "bfloat16"])
     decide_dtype(chosen)
     assert chosen.dtype == "bfloat16"  # asked for by name: kept, and served on any CPU (F.linear)

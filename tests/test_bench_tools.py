@@ -11,6 +11,7 @@ import pytest
 import torch
 
 from isoserve.cli import main as isoserve_main
+from isoserve.config import dtype_name
 
 ROOT = Path(__file__).resolve().parent.parent
 
@@ -25,6 +26,7 @@ def test_roofline_reports_every_field(tiny_llama_dir, tmp_path, capsys):
     assert "== roofline:" in printed and "isoserve / ideal" in printed
 
     data = json.loads(out.read_text())
+    assert data["floor_dtype"] == dtype_name("auto")  # the CPU's native dtype, as issue 6 counts floors
     assert data["peak_flops"] > 0 and data["bandwidth"]["bytes_per_s"] > 0
     assert data["matmuls"] and all(m["flops"] > 0 for m in data["matmuls"])
     costs = data["model_costs"]
@@ -88,12 +90,16 @@ def test_model_costs_count_parameters_not_their_quantized_companions(tiny_llama_
 
 
 def test_prefill_times_each_engine_on_every_prompt(tiny_llama_dir, tmp_path, capsys):
+    # isoserve in float32, transformers in the CPU's own choice (--peer-dtype auto): the peer
+    # the issue's targets name runs in bfloat16 wherever the CPU computes in it natively.
     out = tmp_path / "prefill.json"
     rc = isoserve_main(["bench", "--prefill", "--model", str(tiny_llama_dir), "--prompt-tokens", "24",
-                        "--repeats", "3", "--peers", "transformers", "--json", str(out)])
+                        "--repeats", "3", "--peers", "transformers", "--dtype", "float32", "--json", str(out)])
     assert rc == 0
-    assert "== prefill:" in capsys.readouterr().out
+    printed = capsys.readouterr().out
+    assert "== prefill:" in printed and f"transformers' model for {tiny_llama_dir} ({dtype_name('auto')})" in printed
     data = json.loads(out.read_text())
+    assert (data["dtype"], data["peer_dtype"]) == ("float32", dtype_name("auto"))
     assert data["peers"] == ["isoserve", "transformers"]
     for result in data["results"].values():
         assert len(result["seconds"]) == 3 and all(s > 0 for s in result["seconds"])

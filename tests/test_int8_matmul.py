@@ -11,16 +11,17 @@ import torch.nn.functional as F
 
 from isoserve.engine.llm import LLM
 from isoserve.engine.sampling_params import SamplingParams
+from isoserve.config import AutoInputs, native_bfloat16, parse_dtype, parse_kv_dtype
 from isoserve.kernels import cpu_ops
 from isoserve.model import int4, q8_0
 from isoserve.model.int8_blocks import (Int8Q4SwigluWeight, Int8Q4Weight, Int8Q8Weight, q4_1_group_codes,
                                         q8_0_group_codes, quantize_activations, reference)
 from isoserve.model.llama import LlamaModel
-from isoserve.model.loader import load_checkpoint
+from isoserve.model.loader import has_q4_1_blocks, load_checkpoint
 from isoserve.model.projection import Projection
 from isoserve.model.quantized import EVERY_STEP
 from isoserve.model.vector_blocks import PANEL
-from tiny_models import HAS_AVX2, HAS_AVX512_VNNI, NEEDS_AVX2 as needs_avx2
+from tiny_models import HAS_AMX, HAS_AVX2, HAS_AVX512_VNNI, NEEDS_AVX2 as needs_avx2
 
 
 def _q4_blocks(rows: int, cols: int, g: torch.Generator):
@@ -263,3 +264,26 @@ def test_int8_activations_stay_close_to_float32(tiny_q4_1, tiny_cache):
         assert a.token_ids == b.token_ids  # the most likely token: 0.05 or more ahead on these prompts
         assert all(abs(int8[t] - float32[t]) < 0.1 for t in int8.keys() & float32.keys())
         assert len(int8.keys() & float32.keys()) >= 4
+
+
+def test_dtype_auto_runs_a_q4_1_gguf_in_float32_where_the_avx512_vnni_tiles_beat_bfloat16(
+        tiny_q4_1, tiny_llama_dir, tiny_cache, tmp_path):
+    # On a CPU with native bfloat16, no AMX and the int8 kernels' AVX512-VNNI tiles (a Zen 4),
+    # a GGUF of Q4_1 projections runs in float32 with int8 activations and a bfloat16 KV cache;
+    # a checkpoint without those blocks, or a run that may not take the int8 kernels, keeps
+    # bfloat16; a CPU without native bfloat16 runs float32 as always.
+    native = native_bfloat16()
+    preferred = native and HAS_AVX512_VNNI and not HAS_AMX
+    assert has_q4_1_blocks(str(tiny_q4_1), tiny_cache) and not has_q4_1_blocks(str(tiny_llama_dir))
+    assert has_q4_1_blocks(str(tiny_q4_1), tmp_path)  # no converted weights there: from the GGUF's header
+    gguf = AutoInputs(str(tiny_q4_1), str(tiny_cache))
+    expected = torch.float32 if preferred or not native else torch.bfloat16
+    assert parse_dtype("auto", auto=gguf) == expected
+    assert parse_kv_dtype("auto", "auto", auto=gguf) == torch.bfloat16  # float32 computes, bfloat16 KV
+    plain = torch.bfloat16 if native else torch.float32
+    assert parse_dtype("auto", auto=AutoInputs(str(tiny_llama_dir))) == plain
+    assert parse_dtype("auto", auto=AutoInputs(str(tiny_q4_1), str(tiny_cache), int8_blocks=False)) == plain
+    assert parse_dtype("auto") == plain  # no model: the device's own choice, as the benchmarks' peers run
+    assert parse_dtype("auto", auto=AutoInputs("no-such-model")) == plain  # loading it says what is wrong
+    llm = LLM(model=str(tiny_q4_1), cache_dir=str(tiny_cache), max_num_seqs=4)
+    assert llm.engine.model.dtype == expected and llm.engine.pool.kv.dtype == torch.bfloat16

@@ -65,6 +65,13 @@ def layers_note(run: dict) -> str:
     return "" if run.get("fused_kernels", True) else ", isoserve's layers as torch ops"
 
 
+def dtypes(run: dict) -> str:
+    """For a table's title: isoserve's dtype (and its KV cache's), and the peers' where theirs differs."""
+    text = run["dtype"] if run.get("kv_dtype", run["dtype"]) == run["dtype"] else f"{run['dtype']} (KV cache {run['kv_dtype']})"
+    peers = run.get("peer_dtype", run["dtype"])
+    return text if peers == run["dtype"] else f"{text}, peers {peers}"
+
+
 def where(run: dict) -> str:
     """For a table's title: the GPU a run used, or the CPU threads it had."""
     if run.get("device", "cpu").startswith("cuda"):
@@ -78,7 +85,8 @@ def run_header(args, model: str) -> dict:
     from datetime import datetime, timezone
     return {"label": args.label or "",
             "date": datetime.now(timezone.utc).isoformat(timespec="seconds"),
-            "model": model, "dtype": args.dtype, "kv_dtype": args.kv_dtype, "torch_threads": torch.get_num_threads(),
+            "model": model, "dtype": args.dtype, "kv_dtype": args.kv_dtype,
+            "peer_dtype": getattr(args, "peer_dtype", args.dtype), "torch_threads": torch.get_num_threads(),
             "device": args.device,
             "gpu": torch.cuda.get_device_name() if args.device.startswith("cuda") else None,
             "fused_kernels": args.fused_kernels, "int8_activations": args.int8_activations,

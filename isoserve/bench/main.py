@@ -55,8 +55,12 @@ def add_arguments(p: argparse.ArgumentParser) -> None:
     offline = p.add_argument_group("offline mode (isoserve's LLM vs transformers, one process)")
     offline.add_argument("--offline", action="store_true", help="run the offline comparison")
     offline.add_argument("--dtype", default="auto", choices=["auto", "bfloat16", "float32"],
-                         help="auto (default): bfloat16 where the CPU computes in it natively, else float32; "
-                              "the peers run in the same dtype")
+                         help="isoserve's; auto (default): as `isoserve serve` decides it (bfloat16 where "
+                              "the CPU computes in it natively, else float32; float32 with int8 activations "
+                              "for a GGUF's Q4_1 blocks on AVX512-VNNI without AMX)")
+    offline.add_argument("--peer-dtype", default="auto", choices=["auto", "bfloat16", "float32"],
+                         help="transformers' (offline and prefill modes); auto (default): bfloat16 where the "
+                              "CPU computes in it natively, else float32, whatever isoserve runs in")
     offline.add_argument("--kv-dtype", default="auto", choices=DTYPE_CHOICES,
                          help="isoserve's KV cache (see `isoserve serve --help`; offline, roofline and "
                               "prefill modes); the peers keep theirs in --dtype")

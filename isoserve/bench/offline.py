@@ -9,7 +9,7 @@ import os
 import random
 import time
 
-from isoserve.bench.machine import layers_note, run_header, where
+from isoserve.bench.machine import dtypes, layers_note, run_header, where
 from isoserve.bench.workload import random_words
 
 WARMUP_PROMPTS, WARMUP_TOKENS = 2, 4
@@ -29,6 +29,7 @@ def prompt_ids(tokenizer, count: int, length: int, seed: int) -> list[list[int]]
 
 
 def build_peers(names: list[str], model: str, dtype: str, llm):
+    """isoserve's LLM, then the peers named, in `dtype` (the peers' own: --peer-dtype)."""
     from isoserve.bench import peers
     from isoserve.config import parse_dtype
 
@@ -71,7 +72,7 @@ def run_offline(args) -> dict:
               fused_kernels=args.fused_kernels,
               int8_activations=args.int8_activations,
               kv_tokens=largest * per_sequence, max_num_seqs=max(EngineConfig.max_num_seqs, largest))
-    chosen = build_peers(args.peers, model, args.dtype, llm)
+    chosen = build_peers(args.peers, model, args.peer_dtype, llm)
     prompts = prompt_ids(llm.tokenizer, max(args.batch), args.prompt_tokens, args.seed)
     for peer in chosen:
         print(f"warming up {peer.name} ...", flush=True)
@@ -101,7 +102,7 @@ def table(run: dict) -> str:
     others = run["peers"][1:]
     header = f"{'batch':>5} {'isoserve tok/s':>15}" + "".join(
         f" {p + ' tok/s':>20} {'ratio':>6}" for p in others)
-    lines = [f"== offline: {run['model']} {run['dtype']}, {run['prompt_tokens']}-token prompts, "
+    lines = [f"== offline: {run['model']} {dtypes(run)}, {run['prompt_tokens']}-token prompts, "
              f"{run['output_tokens']} new tokens, {where(run)}{layers_note(run)} ==", header]
     for row in run["results"]:
         line = f"{row['batch']:>5} {row['isoserve']['output_tokens_per_s']:>15.1f}"

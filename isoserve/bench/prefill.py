@@ -16,7 +16,7 @@ import os
 import statistics
 import time
 
-from isoserve.bench.machine import layers_note, run_header
+from isoserve.bench.machine import dtypes, layers_note, run_header
 
 DEFAULT_PROMPT_TOKENS = 2000
 
@@ -74,8 +74,8 @@ def run_prefill(args) -> dict:
     prompts = prompt_ids(llm.tokenizer, args.repeats + 1, n, args.seed)  # [0] warms up
     peers = {"isoserve": lambda p: _time_isoserve(llm, p)}
     if "transformers" in args.peers:
-        print(f"loading transformers' model for {model} ({args.dtype}) ...", flush=True)
-        reference = load_reference_model(model, parse_dtype(args.dtype))
+        print(f"loading transformers' model for {model} ({args.peer_dtype}) ...", flush=True)
+        reference = load_reference_model(model, parse_dtype(args.peer_dtype))
         peers["transformers"] = lambda p: _time_transformers(reference, p)
     llama_wall = []
     if args.llama_url:
@@ -121,7 +121,7 @@ def run_prefill(args) -> dict:
 
 
 def table(run: dict) -> str:
-    lines = [f"== prefill: {run['model']} {run['dtype']}, one {run['prompt_tokens']}-token prompt, "
+    lines = [f"== prefill: {run['model']} {dtypes(run)}, one {run['prompt_tokens']}-token prompt, "
              f"{run['torch_threads']} threads{layers_note(run)}, median of {run['repeats']} ==",
              f"{'engine':>12} {'prompt tok/s':>13} {'ms':>9} {'isoserve / it':>14}"]
     for name, r in run["results"].items():

@@ -13,8 +13,10 @@ decode step they imply for a model at each batch size, and isoserve's measured s
                   the steps in which every sequence decodes one token (no prefill in them)
 
 KV and attention are counted at the mean context of those steps (prompt + about half the
-output). That floor counts every weight in the run's dtype (bfloat16 where the CPU computes in it
-natively, as on the machine the issue that set the target was written for; float32 elsewhere); a
+output). The FLOP/s and that floor are the CPU's native dtype's, whatever isoserve runs in
+(bfloat16 where the CPU computes in it natively, as on the machine the issue that set the target
+was written for; float32 elsewhere): on AVX512-VNNI without AMX isoserve's `--dtype auto` runs
+float32 with int8 activations, and a floor of float32 weights would be twice as lenient. A
 second floor counts the weights the step actually reads, which are the GGUF's 4- or 8-bit
 blocks where a quantized tier takes the batch (model/quantized.py). The measured step is everything engine.step() does: scheduling, the guard, the
 forward, sampling and detokenization.
@@ -189,12 +191,13 @@ def run_roofline(args) -> dict:
     from tqdm.auto import tqdm
 
     from isoserve.bench.offline import prompt_ids
-    from isoserve.config import EngineConfig, parse_dtype
+    from isoserve.config import EngineConfig, dtype_name, parse_dtype
     from isoserve.engine.engine import Engine
     from isoserve.model.loader import load_checkpoint
 
     model = args.model or "smollm2-135m-instruct"
     dtype = parse_dtype(args.dtype)
+    floor_dtype = parse_dtype("auto")  # the CPU's native dtype, without the model's say (see above)
     batches = sorted(set(args.batch))
     square = args.roofline_square
     total = 2 + len(batches)
@@ -206,9 +209,9 @@ def run_roofline(args) -> dict:
     cfg = ckpt.config
     shapes = decode_shapes(cfg, max(batches))  # the largest batch: the best FLOP/s of these shapes
     shapes.append((square, square, square))
-    matmuls = measure_flops(shapes, dtype)
+    matmuls = measure_flops(shapes, floor_dtype)
     peak = max(m["flops"] for m in matmuls)
-    bar.write(f"matmul: best {peak / 1e12:.3f} TFLOP/s ({args.dtype}); "
+    bar.write(f"matmul: best {peak / 1e12:.3f} TFLOP/s ({dtype_name(floor_dtype)}); "
               + ", ".join(f"{'x'.join(map(str, m['shape']))} {m['flops'] / 1e9:.0f} GFLOP/s" for m in matmuls))
     bar.update()
 
@@ -218,7 +221,7 @@ def run_roofline(args) -> dict:
               f"copy {bw['copy_bytes_per_s'] / 1e9:.1f}; {bw['bytes'] / 2**20:.0f} MiB tensor)")
     bar.update()
 
-    costs = model_costs(cfg, ckpt.weights, dtype)
+    costs = model_costs(cfg, ckpt.weights, floor_dtype)
     engine = Engine(EngineConfig(model=model, dtype=args.dtype, kv_dtype=args.kv_dtype, max_num_seqs=max(64, max(batches)),
                                  fused_kernels=args.fused_kernels, int8_activations=args.int8_activations),
                     checkpoint=ckpt)
@@ -253,7 +256,7 @@ def run_roofline(args) -> dict:
                   f"{step * 1e3:.2f} ms = {step / ideal:.2f}x ideal ({measured['decode_steps']} steps)")
         bar.update()
     bar.close()
-    return {**run_header(args, model), "context_tokens": context,
+    return {**run_header(args, model), "floor_dtype": dtype_name(floor_dtype), "context_tokens": context,
             "peak_flops": peak, "matmuls": matmuls, "bandwidth": bw, "model_costs": costs,
             "results": rows}
 
@@ -276,8 +279,10 @@ def cells(row: dict) -> list[str]:
 
 def table(run: dict) -> str:
     widths = [max(len(h), 8) for h in HEADERS]
+    floors = run.get("floor_dtype", run["dtype"])
     lines = [f"== roofline: {run['model']} {run['dtype']}, {run['torch_threads']} threads{layers_note(run)}; "
-             f"{run['peak_flops'] / 1e12:.3f} TFLOP/s, {run['bandwidth']['bytes_per_s'] / 1e9:.1f} GB/s; "
+             f"floors in {floors}: {run['peak_flops'] / 1e12:.3f} TFLOP/s, "
+             f"{run['bandwidth']['bytes_per_s'] / 1e9:.1f} GB/s; "
              f"context {run['context_tokens']:.0f} tokens ==",
              " ".join(h.rjust(w) for h, w in zip(HEADERS, widths))]
     lines += [" ".join(c.rjust(w) for c, w in zip(cells(r), widths)) for r in run["results"]]

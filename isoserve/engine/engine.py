@@ -13,7 +13,7 @@ from collections import Counter
 from dataclasses import dataclass, field
 
 from isoserve.admission import check_prompt_fits, effective_prompt_limit
-from isoserve.config import EngineConfig, dtype_name, parse_dtype, parse_kv_dtype
+from isoserve.config import AutoInputs, EngineConfig, dtype_name, parse_dtype, parse_kv_dtype
 from isoserve.engine.runner import ModelRunner
 from isoserve.engine.sampling_params import SamplingParams
 from isoserve.engine.scheduler import Scheduler
@@ -52,8 +52,9 @@ class EngineStats:
 class Engine:
     def __init__(self, config: EngineConfig, checkpoint: Checkpoint | None = None):
         self.config = config
-        dtype = parse_dtype(config.dtype, config.device)
-        kv_dtype = parse_kv_dtype(config.kv_dtype, config.dtype, config.device)
+        auto = AutoInputs.of(config)
+        dtype = parse_dtype(config.dtype, config.device, auto)
+        kv_dtype = parse_kv_dtype(config.kv_dtype, config.dtype, config.device, auto)
         t0 = time.perf_counter()
         ckpt = checkpoint or load_checkpoint(config.model, dtype, cache_dir=config.cache_dir)
         self.model_name = ckpt.name

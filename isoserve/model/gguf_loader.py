@@ -66,6 +66,13 @@ def read_gguf(path: Path, dtype: torch.dtype) -> tuple[ModelConfig, dict[str, to
     return config, weights
 
 
+def has_q4_1_projections(path: Path) -> bool:
+    """Whether the file's layers hold Q4_1 projections (which keep their blocks: read_gguf).
+    Reads the whole header: ~2 s for the default model, most of it the tokenizer's arrays."""
+    return any(t.tensor_type == GGMLQuantizationType.Q4_1 and t.name.startswith("blk.")
+               for t in GGUFReader(path).tensors)
+
+
 def _hf_row_order(config: ModelConfig, name: str, rows: torch.Tensor) -> torch.Tensor:
     """Q and K rows (of a weight, a bias or a weight's int4 companions) in Hugging Face order."""
     if config.architecture in _QK_PERMUTED:

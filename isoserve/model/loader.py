@@ -17,12 +17,13 @@ from pathlib import Path
 from typing import TYPE_CHECKING
 
 import torch
+from safetensors import safe_open
 from safetensors.torch import load_file, save_file
 
 from isoserve.config import default_cache_dir, dtype_name
 from isoserve.model import int4, q8_0
 from isoserve.model.config import ModelConfig
-from isoserve.model.gguf_loader import read_gguf
+from isoserve.model.gguf_loader import has_q4_1_projections, read_gguf
 from isoserve.model.hf_loader import read_hf_checkpoint
 from isoserve.model.registry import ModelSource, resolve_model
 from isoserve.model.tokenizer import load_tokenizer
@@ -76,6 +77,24 @@ def conversion_needed(model: str, dtype: torch.dtype, cache_dir: Path | None = N
     cache instead of each converting the file at once. An unknown model raises ValueError."""
     source = resolve_model(model)
     return source.kind == "gguf" and not (Path(cache_dir or default_cache_dir()) / _cache_key(source.path, dtype)).is_dir()
+
+
+def has_q4_1_blocks(model: str, cache_dir: Path | None = None) -> bool:
+    """Whether `model` is a GGUF whose projections keep Q4_1 blocks. From the header of its
+    converted weights in any dtype where there are some (milliseconds), else from the GGUF's
+    own header (seconds: a first start, which converts the file anyway). An unknown model
+    raises ValueError."""
+    source = resolve_model(model)
+    if source.kind != "gguf":
+        return False
+    for dtype in _ENTRY_DTYPES:
+        weights = Path(cache_dir or default_cache_dir()) / _cache_key(source.path, dtype) / "model.safetensors"
+        try:
+            with safe_open(weights, "pt") as entry:
+                return any(".layers." in name and name.endswith(int4.CODES) for name in entry.keys())
+        except Exception:  # no entry in this dtype, or an unreadable one: the next, or the file
+            continue
+    return has_q4_1_projections(source.path)
 
 
 def _cache_key(gguf: Path, dtype: torch.dtype) -> str:
