@@ -45,7 +45,7 @@ sys.path.insert(0, str(ROOT))
 from isoserve.bench import docfile, llama_server, prom, roofline, zmq_raw  # noqa: E402
 from isoserve.bench.local_server import (add_tenant, child_env, isoserve_cmd, local_server,  # noqa: E402
                                          shown)
-from isoserve.bench.machine import describe, machine_facts  # noqa: E402
+from isoserve.bench.machine import describe, dtypes, machine_facts  # noqa: E402
 from isoserve.bench.plot import plot_runs  # noqa: E402
 from isoserve.config import GUARD_NAMES, AutoInputs, dtype_name, resolve_dtypes  # noqa: E402
 
@@ -89,9 +89,8 @@ class Plan:
 
     @property
     def dtypes(self) -> str:
-        """The dtypes as headings name them: the model's, the KV cache's and the peers' where they differ."""
-        text = self.dtype if self.kv_dtype == self.dtype else f"{self.dtype} (isoserve's KV cache {self.kv_dtype})"
-        return text if self.peer_dtype == self.dtype else f"{text}; transformers in {self.peer_dtype}"
+        """The dtypes as headings name them (machine.dtypes)."""
+        return dtypes({"dtype": self.dtype, "kv_dtype": self.kv_dtype, "peer_dtype": self.peer_dtype})
 
     @classmethod
     def make(cls, args) -> Plan:

@@ -15,13 +15,13 @@ def _engine_args(p: argparse.ArgumentParser) -> None:
                    help="smollm2-135m-instruct (default), a .gguf file or a Hugging Face checkpoint folder")
     p.add_argument("--dtype", default="auto", choices=DTYPE_CHOICES,
                    help="auto (default): bfloat16 where the CPU (or GPU) computes in it natively, "
-                        "float32 elsewhere")
+                        "float32 elsewhere; and float32 with int8 activations for a GGUF of Q4_1 "
+                        "projections on a CPU with AVX512-VNNI and no AMX, where that is faster")
     p.add_argument("--kv-dtype", default="auto", choices=DTYPE_CHOICES,
                    help="the KV cache's dtype: the model's, or bfloat16 under a float32 model, which "
                         "halves the bytes each decode step reads and doubles the tokens a pool holds "
                         "(K and V rounded to bfloat16 as they are written). auto (default): the model's, "
-                        "but bfloat16 where --dtype auto falls back to float32 on a CPU without native "
-                        "bfloat16")
+                        "but bfloat16 where --dtype auto picks float32 on a CPU")
     p.add_argument("--device", default="cpu", help="cpu (default) or cuda")
     p.add_argument("--page-size", type=int, default=16, help="tokens per KV page (default 16)")
     p.add_argument("--context-length", type=int, default=None, help="default: the model's")
@@ -32,9 +32,10 @@ def _engine_args(p: argparse.ArgumentParser) -> None:
                    help="steps of at most N tokens multiply by the GGUF's own 4-bit (Q4_1) weights, and "
                         "on AMX or in float32 its 8-bit (Q8_0) LM head, instead of the dense weights: "
                         "faster decode batches (default: bfloat16 32 where the CPU has AMX, which "
-                        "isoserve's kernels use, else 4; float32 512, on AVX2; 0 = off; CPU only)")
+                        "isoserve's kernels use, else 4; float32 every step with int8 activations, "
+                        "else 512; 0 = off; CPU only)")
     p.add_argument("--int8-activations", action=argparse.BooleanOptionalAction, default=None,
-                   help="in float32 on AVX2, multiply the GGUF's 4-bit and 8-bit blocks by the "
+                   help="in float32 on AVX2 or AVX512-VNNI, multiply the GGUF's 4-bit and 8-bit blocks by the "
                         "activations quantized to int8 by blocks of 32 (llama.cpp's arithmetic for these "
                         "files; faster decode batches). Default: wherever it runs; "
                         "--no-int8-activations keeps them in float32")
@@ -187,7 +188,10 @@ def build_parser() -> argparse.ArgumentParser:
 
 def decide_dtype(args: argparse.Namespace) -> None:
     """--dtype auto and --kv-dtype auto become the dtypes they stand for, once, here: the router
-    sizes the pools with them and starts its workers with them, and every log line names them."""
+    sizes the pools with them and starts its workers with them, and every log line names them.
+    `bench` against a URL (or a soak) runs no engine here: nothing to decide."""
+    if args.command == "bench" and not (args.offline or args.roofline or args.prefill):
+        return
     device = getattr(args, "device", "cpu")
     auto = AutoInputs.of(args)
     if getattr(args, "kv_dtype", None) is not None:

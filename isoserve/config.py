@@ -41,19 +41,22 @@ def native_bfloat16(device: str = "cpu") -> bool:
 @dataclass(frozen=True)
 class AutoInputs:
     """What `--dtype auto` looks at besides the device: the model, where its converted weights
-    are cached, and whether the run may take the int8 block kernels (not under
-    --no-fused-kernels, --no-int8-activations or --int4-max-rows 0). Without a model, "auto"
-    is the device's own choice: what the benchmarks' peers run in."""
+    are cached, and whether the run lets the int8 block kernels take every step (not under
+    --no-fused-kernels, --no-int8-activations or any --int4-max-rows, above which a float32
+    step would multiply dense float32 weights). Without a model, "auto" is the device's own
+    choice: what the benchmarks' peers run in."""
     model: str | None = None
     cache_dir: str | None = None
     int8_blocks: bool = True
 
     @classmethod
     def of(cls, run) -> AutoInputs:
-        """From an EngineConfig or the parsed command line: both name these fields alike."""
-        return cls(getattr(run, "model", None), getattr(run, "cache_dir", None),
+        """From an EngineConfig or the parsed command line: both name these fields alike (a
+        command whose --model defaults to None runs the default model)."""
+        from isoserve.model.registry import DEFAULT_MODEL
+        return cls(getattr(run, "model", None) or DEFAULT_MODEL, getattr(run, "cache_dir", None),
                    getattr(run, "fused_kernels", True) and getattr(run, "int8_activations", None) is not False
-                   and getattr(run, "int4_max_rows", None) != 0)
+                   and getattr(run, "int4_max_rows", None) is None)
 
 
 def parse_dtype(name: str | torch.dtype, device: str = "cpu", auto: AutoInputs = AutoInputs()) -> torch.dtype:
@@ -126,7 +129,7 @@ def parse_guard_names(text: str | None) -> frozenset[str]:
 @dataclass
 class EngineConfig:
     model: str = "smollm2-135m-instruct"
-    dtype: str = "auto"                  # bfloat16 where the device runs it natively, else float32
+    dtype: str = "auto"                  # bfloat16 where the device runs it natively, else float32 (parse_dtype)
     kv_dtype: str = "auto"               # the KV pool's: the model's, or bfloat16 under float32 (parse_kv_dtype)
     device: str = "cpu"
     page_size: int = 16
@@ -145,9 +148,9 @@ class EngineConfig:
     # up to 32 rows; elsewhere torch's int4 kernel, ~2.5x cheaper than bfloat16 for one sequence
     # and slower from 5 rows on. See model/quantized.py.
     int4_max_rows: int | None = None
-    # In float32 on AVX2 (a CPU without a native bfloat16 path), the GGUF's Q4_1 and Q8_0 blocks
-    # multiply the activations quantized to int8 by blocks of 32, llama.cpp's arithmetic for
-    # these files: 1.6x faster matmuls at 32 rows. None: wherever that kernel runs; False: the
+    # In float32 on AVX2 or AVX512-VNNI, the GGUF's Q4_1 and Q8_0 blocks multiply the
+    # activations quantized to int8 by blocks of 32, llama.cpp's arithmetic for these files:
+    # 1.6x faster matmuls than float32 at 32 rows on a Zen 3, 1.3x bfloat16's on a Zen 4. None: wherever that kernel runs; False: the
     # float32 block kernels; True: required (an error where it cannot run). model/int8_blocks.py.
     int8_activations: bool | None = None
     # Norms, RoPE + KV write, decode attention and SwiGLU as fused CPU kernels (isoserve/kernels)

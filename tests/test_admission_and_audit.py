@@ -469,10 +469,18 @@ def test_serve_decides_dtype_auto_once_by_the_cpu_and_the_model_and_starts_worke
     for role in ("prefill", "decode"):
         cmd = _worker_command(args, role, 0, "ipc:///r", "ipc:///kv", 1)
         assert cmd[cmd.index("--dtype") + 1] == args.dtype
-    for without_int8 in (["--no-fused-kernels"], ["--no-int8-activations"], ["--int4-max-rows", "0"]):
+    serve_dtype = args.dtype
+    for without_int8 in (["--no-fused-kernels"], ["--no-int8-activations"], ["--int4-max-rows", "0"],
+                         ["--int4-max-rows", "64"]):  # above 64 rows: dense float32, slower than bfloat16
         args = build_parser().parse_args(["serve", *without_int8])
         decide_dtype(args)
         assert args.dtype == ("bfloat16" if native else "float32"), without_int8
+    offline = build_parser().parse_args(["bench", "--offline"])  # --model unset: the default model
+    decide_dtype(offline)
+    assert offline.dtype == serve_dtype
+    over_http = build_parser().parse_args(["bench", "--base-url", "http://127.0.0.1:1"])
+    decide_dtype(over_http)
+    assert over_http.dtype == "auto"  # no engine runs here: nothing is decided, nothing loaded
     chosen = build_parser().parse_args(["serve", "--dtype", "bfloat16"])
     decide_dtype(chosen)
     assert chosen.dtype == "bfloat16"  # asked for by name: kept, and served on any CPU (F.linear)

@@ -1,6 +1,6 @@
 """The int8 block kernels (kernels/int8_matmul.cpp, model/int8_blocks.py): a GGUF's Q4_1 and
 Q8_0 blocks times the step's activations quantized to int8 by blocks of 32, llama.cpp's
-arithmetic for these files on AVX2, where isoserve runs in float32. They must compute exactly
+arithmetic for these files on AVX2 and AVX512-VNNI, where isoserve runs in float32. They must compute exactly
 that arithmetic (model/int8_blocks.reference), give each row a result that does not depend on
 the step's other rows, and refuse what they cannot read."""
 from __future__ import annotations

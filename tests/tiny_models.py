@@ -31,18 +31,14 @@ SMOLLM2_BOS, SMOLLM2_EOS = 1, 2  # <|im_start|>, <|im_end|>
 DEVICES = ["cpu"] + (["cuda"] if torch.cuda.is_available() else [])
 
 
-def _cpu_has_amx() -> bool:
-    flags = next(line for line in open("/proc/cpuinfo") if line.startswith("flags")).split()
-    return {"amx_tile", "amx_bf16", "avx512_bf16", "avx512bw", "avx512vl"} <= set(flags)
-
-
-# Whether isoserve's AMX kernels (kernels/amx_matmul.cpp) must run here, by the CPU's own flags.
-HAS_AMX = _cpu_has_amx()
-# Whether the float32 block kernels (kernels/vector_matmul.cpp) must run here (-march=native).
-HAS_AVX2 = {"avx2", "fma"} <= set(next(line for line in open("/proc/cpuinfo") if line.startswith("flags")).split())
+# The CPU's flags, by which these decide which of isoserve's kernels must run here (-march=native).
+_FLAGS = set(next(line for line in open("/proc/cpuinfo") if line.startswith("flags")).split())
+# Whether isoserve's AMX kernels (kernels/amx_matmul.cpp) must run here.
+HAS_AMX = {"amx_tile", "amx_bf16", "avx512_bf16", "avx512bw", "avx512vl"} <= _FLAGS
+# Whether the float32 block kernels (kernels/vector_matmul.cpp) must run here.
+HAS_AVX2 = {"avx2", "fma"} <= _FLAGS
 # Whether the int8 block kernels (kernels/int8_matmul.cpp) take their AVX512-VNNI tiles here.
-HAS_AVX512_VNNI = HAS_AVX2 and {"avx512f", "avx512bw", "avx512_vnni"} <= set(
-    next(line for line in open("/proc/cpuinfo") if line.startswith("flags")).split())
+HAS_AVX512_VNNI = HAS_AVX2 and {"avx512f", "avx512bw", "avx512_vnni"} <= _FLAGS
 # For the tests of the int8 path, which only a CPU with AVX2 and FMA takes.
 NEEDS_AVX2 = pytest.mark.skipif(not HAS_AVX2, reason="int8 activations run only on CPUs with AVX2 and FMA, which "
                                 "this one lacks: float32 never takes that path here")

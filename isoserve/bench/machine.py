@@ -66,10 +66,11 @@ def layers_note(run: dict) -> str:
 
 
 def dtypes(run: dict) -> str:
-    """For a table's title: isoserve's dtype (and its KV cache's), and the peers' where theirs differs."""
-    text = run["dtype"] if run.get("kv_dtype", run["dtype"]) == run["dtype"] else f"{run['dtype']} (KV cache {run['kv_dtype']})"
-    peers = run.get("peer_dtype", run["dtype"])
-    return text if peers == run["dtype"] else f"{text}, peers {peers}"
+    """For a title: isoserve's dtype, and its KV cache's and transformers' where they differ."""
+    dtype = run["dtype"]
+    kv, peers = run.get("kv_dtype") or dtype, run.get("peer_dtype") or dtype
+    text = dtype if kv == dtype else f"{dtype} (isoserve's KV cache {kv})"
+    return text if peers == dtype else f"{text}; transformers in {peers}"
 
 
 def where(run: dict) -> str:

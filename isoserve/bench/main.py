@@ -63,7 +63,7 @@ def add_arguments(p: argparse.ArgumentParser) -> None:
                               "CPU computes in it natively, else float32, whatever isoserve runs in")
     offline.add_argument("--kv-dtype", default="auto", choices=DTYPE_CHOICES,
                          help="isoserve's KV cache (see `isoserve serve --help`; offline, roofline and "
-                              "prefill modes); the peers keep theirs in --dtype")
+                              "prefill modes); the peers keep theirs in --peer-dtype")
     offline.add_argument("--device", default="cpu",
                          help="cpu (default) or cuda: where both isoserve and its peers run (offline mode)")
     offline.add_argument("--batch", type=_int_list, default=[1, 8, 32], metavar="B[,B...]",

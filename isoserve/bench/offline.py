@@ -1,4 +1,4 @@
-"""Offline mode: LLM.generate against transformers, in one process, on the same prompts and dtype.
+"""Offline mode: LLM.generate against transformers (in --peer-dtype), in one process, on the same prompts.
 
     load isoserve's LLM and transformers' model (same weights) -> seeded prompts as token ids
     -> warm each peer up once -> for each batch size, time each peer -> tokens/s and ratios

@@ -18,6 +18,7 @@ import importlib.util
 import logging
 import os
 import platform
+import re
 import sys
 from pathlib import Path
 from types import ModuleType
@@ -59,14 +60,21 @@ def module_name() -> str:
     return f"isoserve_cpu_ops_{digest.hexdigest()[:12]}"
 
 
+# The flags of /proc/cpuinfo that name instructions a compiler may emit; the rest (mitigations
+# such as ibpb, virtualization features) can change with a kernel or microcode update, and
+# would cost a rebuild for nothing.
+_INSTRUCTION_FLAGS = re.compile(r"^(avx|amx|sse|ssse|fma|f16c|bmi|adx|aes|pclmul|vpclmul|vaes|gfni|sha|"
+                                r"movbe|popcnt|abm|lzcnt|rdrand|rdseed|xsave|clflush|clwb|serialize|cx16)")
+
+
 def cpu_features() -> str:
     """The CPU's instruction set extensions as Linux lists them (the first "flags" line of
-    /proc/cpuinfo), else the processor's name."""
+    /proc/cpuinfo, those a compiler may emit), else the processor's name."""
     try:
         with open("/proc/cpuinfo") as cpuinfo:
             for line in cpuinfo:
                 if line.startswith("flags"):
-                    return line.split(":", 1)[1].strip()
+                    return " ".join(f for f in line.split(":", 1)[1].split() if _INSTRUCTION_FLAGS.match(f))
     except OSError:
         pass
     return platform.machine() + " " + platform.processor()

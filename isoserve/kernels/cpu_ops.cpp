@@ -884,14 +884,14 @@ PYBIND11_MODULE(TORCH_EXTENSION_NAME, m) {
   m.def("int8_status", &int8_status, "'' when q4_1_linear_i8 can run on this machine, else why not");
   m.def("int8_isa", &int8_isa, "the int8 block matmuls' tiles: 'avx512-vnni', 'avx2', or '' where they cannot run");
   m.def("q4_1_linear_i8", &q4_1_linear_i8,
-        "x W^T for Q4_1 blocks with x quantized to int8 by blocks of 32 (model/int8_blocks.py), AVX2",
+        "x W^T for Q4_1 blocks with x quantized to int8 by blocks of 32 (model/int8_blocks.py), AVX2 or AVX512-VNNI",
         py::arg("x"), py::arg("codes"), py::arg("d"), py::arg("m"));
   m.def("q4_1_swiglu_i8", &q4_1_swiglu_i8,
         "silu(x G^T) * (x U^T) for a gate-up weight of Q4_1 blocks in pairs of gate and up panels, "
-        "x quantized to int8 by blocks of 32 (model/int8_blocks.py), AVX2",
+        "x quantized to int8 by blocks of 32 (model/int8_blocks.py), AVX2 or AVX512-VNNI",
         py::arg("x"), py::arg("codes"), py::arg("d"), py::arg("m"));
   m.def("q8_0_linear_i8", &q8_0_linear_i8,
-        "x W^T for Q8_0 blocks with x quantized to int8 by blocks of 32 (model/int8_blocks.py), AVX2",
+        "x W^T for Q8_0 blocks with x quantized to int8 by blocks of 32 (model/int8_blocks.py), AVX2 or AVX512-VNNI",
         py::arg("x"), py::arg("codes"), py::arg("d"));
   m.def("prefill_attention", &prefill_attention,
         "causal attention of a step's prefill chunks over their pages into out's rows, on AMX",

@@ -1,11 +1,13 @@
-// y = x W^T for a GGUF's Q4_1 or Q8_0 weights on AVX2 with the activations quantized to int8:
-// the arithmetic of llama.cpp's CPU path for these files (its Q8 activation blocks), written
-// for isoserve's panel layout.
+// y = x W^T for a GGUF's Q4_1 or Q8_0 weights on AVX2 or AVX512-VNNI with the activations
+// quantized to int8: the arithmetic of llama.cpp's CPU path for these files (its Q8 activation
+// blocks), written for isoserve's panel layout.
 //
 // Why: on a CPU without a native bfloat16 path (AVX2 only, such as AMD Zen 3) isoserve runs in
 // float32, and a decode step of 32 sequences is bound by the float32 multiply-adds (two 8-lane
 // FMAs a cycle). vpmaddubsw multiplies 32 byte pairs in one instruction, two a cycle: a block
-// of 32 inputs costs 8 of them per row and pair of panels where float32 costs 64 FMAs.
+// of 32 inputs costs 8 of them per row and pair of panels where float32 costs 64 FMAs. On
+// AVX512-VNNI without AMX (AMD Zen 4) these tiles also beat oneDNN's bfloat16 matmuls, so there
+// `--dtype auto` runs a Q4_1 GGUF in float32 too (model/quantized.py, int8_blocks_preferred).
 //
 // Arithmetic (model/int8_blocks.py reproduces it, and tests/test_int8_matmul.py checks it):
 // each row's block of 32 inputs is quantized on its own, a = amax / 127, q = round(x * (127 /
@@ -37,10 +39,11 @@
 // and vpdpbusd multiplies a group's 64 byte pairs and adds them, 4 by 4, to 16 int32 sums: one
 // instruction where AVX2 takes two vpmaddubsw and two adds per pair of panels, and no widening
 // of int16 sums at each block end. Its operands are unsigned x signed bytes: Q4_1's codes are
-// unsigned; for Q8_0 the activations go unsigned instead, q + 128, and each block's sums start
-// at -128 times the sum of its codes, so the integer sums are exactly AVX2's. The float32 steps
-// are AVX2's in the same order, lane for lane, so both paths give the same bits. With 32
-// registers a tile holds up to 8 rows (the tile_512 section below).
+// unsigned; for Q8_0 the activations go unsigned instead, q + 128, and each block's sums get
+// -128 times the sum of its codes added, so the integer sums are exactly AVX2's. The float32
+// steps are AVX2's in the same order, lane for lane, so both paths give the same bits (for
+// finite inputs: an infinite one quantizes to -128, which AVX2's vpsignb cannot negate). With
+// 32 registers a tile holds up to 8 rows (the tile_512 section below).
 #include <torch/extension.h>
 #include <ATen/Parallel.h>
 
@@ -290,6 +293,7 @@ constexpr int kZmmTile = 8;  // rows: 8 int32 and 8 float32 sums, the weights an
 
 // Panel 0's 32 bytes in the low half, panel 1's in the high half.
 inline __m512i join(__m256i low, __m256i high) { return _mm512_inserti64x4(_mm512_castsi256_si512(low), high, 1); }
+inline __m256 high_half(__m512 v) { return _mm256_castpd_ps(_mm512_extractf64x4_pd(_mm512_castps_pd(v), 1)); }  // AVX512F, not DQ
 inline __m512 join(__m256 low, __m256 high) {
   return _mm512_castpd_ps(_mm512_insertf64x4(_mm512_castpd256_pd512(_mm256_castps_pd(low)), _mm256_castps_pd(high), 1));
 }
@@ -316,49 +320,40 @@ struct Q8_0x16 {
   static inline __m512i dot(__m512i s, __m512i w, __m512i a) { return _mm512_dpbusd_epi32(s, a, w); }  // codes signed
 };
 
-// Where a block's sums start: 0 for Q4_1; for Q8_0 -128 times each output's sum of codes, which
-// takes back what the activations' + 128 added.
-template <typename F>
-inline __m512i block_start(const __m512i* w) {
-  if constexpr (F::kFlip == 0) {
-    return _mm512_setzero_si512();
-  } else {
-    __m512i codes = _mm512_setzero_si512();
-    for (int g = 0; g < 8; ++g) codes = _mm512_dpbusd_epi32(codes, _mm512_set1_epi8(1), w[g]);
-    return _mm512_sub_epi32(_mm512_setzero_si512(), _mm512_slli_epi32(codes, 7));
-  }
-}
+// Q8_0's activations go in as q + 128: a block's sums then need -128 times each output's sum
+// of the block's codes added back. `codes` collects those sums, a group at a time.
+inline __m512i count_codes(__m512i codes, __m512i w) { return _mm512_dpbusd_epi32(codes, _mm512_set1_epi8(1), w); }
+inline __m512i take_back_offset(__m512i codes) { return _mm512_sub_epi32(_mm512_setzero_si512(), _mm512_slli_epi32(codes, 7)); }
 
 // Where a tile's pairs of panels come from: a step of one tile reads each group where it lies
 // (InPlace); one of several tiles gathers the pair once into a buffer that every tile reads
 // (Gathered: 8 vectors a block, then a start a block; 27 KB for K = 1,536, in L1 and L2), which
 // one tile would only write and read back. The sums are the same either way.
+// InPlace counts a Q8_0 block's codes as its groups go by; Gathered counted them once, as it
+// gathered, and keeps each block's offset (8 vectors a block, then an offset a block).
 template <typename F>
 struct InPlace {
+  static constexpr bool kKeepsOffsets = false;
   const uint8_t* codes;  // panel p's; panel p + 1's follow panel_bytes later
   int64_t panel_bytes;
   inline __m512i group(int64_t b, int g) const {
     const uint8_t* p0 = codes + b * F::Format::kBlockBytes;
     return F::group(p0, p0 + panel_bytes, g);
   }
-  inline __m512i start(int64_t b) const {
-    if constexpr (F::kFlip == 0) return _mm512_setzero_si512();
-    __m512i w[8];
-    for (int g = 0; g < 8; ++g) w[g] = group(b, g);
-    return block_start<F>(w);
-  }
 };
 
 template <typename F>
 struct Gathered {
+  static constexpr bool kKeepsOffsets = true;
   const __m512i* buffer;
   int64_t blocks;
   inline __m512i group(int64_t b, int g) const { return buffer[b * 8 + g]; }
-  inline __m512i start(int64_t b) const { return buffer[blocks * 8 + b]; }
+  inline __m512i offset(int64_t b) const { return buffer[blocks * 8 + b]; }
   static void gather(__m512i* buffer, const InPlace<F>& source, int64_t blocks) {
     for (int64_t b = 0; b < blocks; ++b) {
-      for (int g = 0; g < 8; ++g) buffer[b * 8 + g] = source.group(b, g);
-      buffer[blocks * 8 + b] = block_start<F>(buffer + b * 8);
+      __m512i codes = _mm512_setzero_si512();
+      for (int g = 0; g < 8; ++g) codes = count_codes(codes, buffer[b * 8 + g] = source.group(b, g));
+      buffer[blocks * 8 + b] = take_back_offset(codes);
     }
   }
 };
@@ -372,14 +367,20 @@ inline void tile_512(const int32_t* words, const float* scale, const float* sum,
   for (int r = 0; r < R; ++r) acc[r] = _mm512_setzero_ps();
   const int64_t blocks = K / 32;
   for (int64_t b = 0; b < blocks; ++b) {
-    __m512i block[R];
-    const __m512i start = source.start(b);
-    for (int r = 0; r < R; ++r) block[r] = start;
+    __m512i block[R], codes = _mm512_setzero_si512();
+    for (int r = 0; r < R; ++r) block[r] = _mm512_setzero_si512();
 #pragma GCC unroll 8
     for (int g = 0; g < 8; ++g, words += R) {
       const __m512i w = source.group(b, g);
+      if constexpr (F::kFlip != 0 && !Source::kKeepsOffsets) codes = count_codes(codes, w);
 #pragma GCC unroll 8
       for (int r = 0; r < R; ++r) block[r] = F::dot(block[r], w, _mm512_set1_epi32(words[r]));
+    }
+    if constexpr (F::kFlip != 0) {  // integer sums: the order of the additions changes no bit
+      __m512i offset;
+      if constexpr (Source::kKeepsOffsets) offset = source.offset(b);
+      else offset = take_back_offset(codes);
+      for (int r = 0; r < R; ++r) block[r] = _mm512_add_epi32(block[r], offset);
     }
     const __m512 vd = join(_mm256_loadu_ps(d + b * kPanel), _mm256_loadu_ps(d + panel_stride + b * kPanel));
 #pragma GCC unroll 8
@@ -393,7 +394,7 @@ inline void tile_512(const int32_t* words, const float* scale, const float* sum,
   }
   for (int r = 0; r < R; ++r) {
     if constexpr (Swiglu)
-      _mm256_storeu_ps(y + r * N, isoserve::silu_times8(_mm512_castps512_ps256(acc[r]), _mm512_extractf32x8_ps(acc[r], 1)));
+      _mm256_storeu_ps(y + r * N, isoserve::silu_times8(_mm512_castps512_ps256(acc[r]), high_half(acc[r])));
     else
       _mm512_storeu_ps(y + r * N, acc[r]);
   }
@@ -449,16 +450,16 @@ void all_panels(const torch::Tensor& x, int64_t K, const uint8_t* cp, const floa
   const int64_t rows = x.size(0), blocks = K / 32;
   const Tiles tiles{rows, (rows + kZmmTile - 1) / kZmmTile};
   const QuantizedRows q = quantize_rows(x.data_ptr<float>(), rows, K, tiles, F::kFlip);
+  const Tiles narrow{rows, (rows + kTile - 1) / kTile};
+  const QuantizedRows last = panels % 2 ? quantize_rows(x.data_ptr<float>(), rows, K, narrow, 0) : QuantizedRows{};
   at::parallel_for(0, (panels + 1) / 2, 1, [&](int64_t begin, int64_t end) {
     std::unique_ptr<__m512i[]> buffer(tiles.count > 1 ? new __m512i[blocks * 9] : nullptr);
     for (int64_t pair = begin; pair < end; ++pair) {
       if (2 * pair + 1 < panels) {
         panel_pair_512<F, Swiglu>(2 * pair, q, tiles, K, cp, dp, mp, yp, N, buffer.get());
       } else if constexpr (!Swiglu) {
-        const Tiles narrow{rows, (rows + kTile - 1) / kTile};
         std::unique_ptr<__m256i[]> wide(new __m256i[blocks * 8 * Format::kVectors]);
-        panels_for_all_tiles<Format, 1, false>(2 * pair, quantize_rows(x.data_ptr<float>(), rows, K, narrow, 0), narrow,
-                                               K, cp, dp, mp, yp, N, wide.get());
+        panels_for_all_tiles<Format, 1, false>(2 * pair, last, narrow, K, cp, dp, mp, yp, N, wide.get());
       }
     }
   });

@@ -1,13 +1,15 @@
 """GGUF weights for the int8 block kernels (kernels/int8_matmul.cpp): a GGUF's Q4_1 and Q8_0
-blocks multiplied, on AVX2, by the step's activations quantized to int8 in blocks of 32.
+blocks multiplied, on AVX2 or AVX512-VNNI, by the step's activations quantized to int8 in
+blocks of 32.
 
-Where isoserve runs in float32 (a CPU without a native bfloat16 path, config.native_bfloat16),
-a step of many rows is bound by float32 multiply-adds; byte multiply-adds take 4 times the
-products an instruction. This is the arithmetic llama.cpp runs for these files on such CPUs: per
+Where isoserve runs in float32 (a CPU without a native bfloat16 path, config.native_bfloat16;
+or a Q4_1 GGUF on AVX512-VNNI without AMX, where these beat bfloat16's matmuls), a step of many
+rows is bound by float32 multiply-adds; byte multiply-adds take 4 times the products an
+instruction. This is the arithmetic llama.cpp runs for these files on such CPUs: per
 row and block of 32 inputs, a = max |x| / 127 and q = round(x / a), summed exactly against the
 weight's codes, then scaled in float32 (`reference` below is that arithmetic in torch, for
 tests). Each row's result depends on that row alone, so a sequence's logits do not depend on
-the other sequences of its step. `--activations float32` turns it off (model/quantized.py).
+the other sequences of its step. `--no-int8-activations` turns it off (model/quantized.py).
 
 Layout (the kernel file documents it too): outputs in panels of 8; inputs in groups of 4 whose
 8 x 4 codes fill 32 bytes, [output][input]. Q4_1: a block's 8 groups in 4 chunks of 32 bytes,

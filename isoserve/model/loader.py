@@ -6,6 +6,7 @@ Hugging Face folders are safetensors already and are read directly.
 """
 from __future__ import annotations
 
+import functools
 import hashlib
 import json
 import logging
@@ -82,13 +83,20 @@ def conversion_needed(model: str, dtype: torch.dtype, cache_dir: Path | None = N
 def has_q4_1_blocks(model: str, cache_dir: Path | None = None) -> bool:
     """Whether `model` is a GGUF whose projections keep Q4_1 blocks. From the header of its
     converted weights in any dtype where there are some (milliseconds), else from the GGUF's
-    own header (seconds: a first start, which converts the file anyway). An unknown model
-    raises ValueError."""
+    own header (seconds: a first start, which converts the file anyway; remembered for this
+    process). An unknown model raises ValueError."""
     source = resolve_model(model)
     if source.kind != "gguf":
         return False
+    stat = source.path.stat()
+    return _has_q4_1_blocks(source, stat.st_size, stat.st_mtime_ns, str(cache_dir or default_cache_dir()))
+
+
+@functools.lru_cache(maxsize=16)
+def _has_q4_1_blocks(source: ModelSource, size: int, mtime_ns: int, cache_dir: str) -> bool:
+    """has_q4_1_blocks for one version of the file (its size and mtime are part of the key)."""
     for dtype in _ENTRY_DTYPES:
-        weights = Path(cache_dir or default_cache_dir()) / _cache_key(source.path, dtype) / "model.safetensors"
+        weights = Path(cache_dir) / _cache_key(source.path, dtype) / "model.safetensors"
         try:
             with safe_open(weights, "pt") as entry:
                 return any(".layers." in name and name.endswith(int4.CODES) for name in entry.keys())

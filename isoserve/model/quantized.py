@@ -6,7 +6,8 @@ Measured on this project's 2-core CPUs (docs/benchmarks.md), a step of R rows is
     the LM head by its Q8_0 blocks on AMX up to 32;
   - without AMX: torch's int4 kernel up to 4 (model/int4.py), the LM head in bfloat16;
   - above those, the prepacked bfloat16 weight (model/projection.py).
-In float32 (a CPU without a native bfloat16 path, where `--dtype auto` picks it), on AVX2:
+In float32 (where `--dtype auto` picks it: a CPU without a native bfloat16 path, or a Q4_1 GGUF
+on AVX512-VNNI without AMX, int8_blocks_preferred), on AVX2 or AVX512-VNNI:
   - by default the int8 block kernels (model/int8_blocks.py): the activations quantized to int8
     by blocks of 32, as llama.cpp computes these files; for the Q4_1 projections and the Q8_0
     LM head in every step (faster than float32 at every size measured, 1 to 2,048 rows);
@@ -52,14 +53,16 @@ def int8_blocks_preferred(model: str, cache_dir=None) -> bool:
     bfloat16; and dense weights compute twice as fast in bfloat16 as in float32."""
     from isoserve.kernels import KernelsUnavailable, cpu_ops
     from isoserve.model.loader import has_q4_1_blocks
+    from isoserve.model.registry import resolve_model
     try:
+        if resolve_model(model).kind != "gguf":
+            return False
         kernels = cpu_ops()
+        if amx_unavailable(kernels) == "" or kernels.int8_isa() != "avx512-vnni":
+            return False
+        return has_q4_1_blocks(model, cache_dir)
     except KernelsUnavailable:
         return False
-    if amx_unavailable(kernels) == "" or kernels.int8_isa() != "avx512-vnni":
-        return False
-    try:
-        return has_q4_1_blocks(model, cache_dir)
     except Exception:  # an unknown or unreadable model: loading it says so, in its own words
         return False
 
