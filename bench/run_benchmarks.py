@@ -89,8 +89,13 @@ class Plan:
 
     @property
     def dtypes(self) -> str:
-        """The dtypes as headings name them (machine.dtypes)."""
+        """The dtypes as the headings of runs with transformers name them (machine.dtypes)."""
         return dtypes({"dtype": self.dtype, "kv_dtype": self.kv_dtype, "peer_dtype": self.peer_dtype})
+
+    @property
+    def isoserve_dtypes(self) -> str:
+        """The same for runs of isoserve alone: its model's and KV cache's."""
+        return dtypes({"dtype": self.dtype, "kv_dtype": self.kv_dtype})
 
     @classmethod
     def make(cls, args) -> Plan:
@@ -236,13 +241,13 @@ def part_serve(run: Run) -> str:
                "failed (d / t / a)"]
     plot = run.out.parent / "benchmarks-serve.png"
     plot_runs([("disaggregated", d), ("disaggregated, cores by turns", turns), ("aggregated", a)],
-              plot, title=f"isoserve serve, {p.model} {p.dtypes}")
+              plot, title=f"isoserve serve, {p.model} {p.isoserve_dtypes}")
     body = (f"`isoserve serve` with one prefill and one decode worker (the default: each "
             f"busy worker takes cores / busy workers threads, so one alone has every core, but "
             f"never cores a peer's running step holds), the "
             f"same with `--core-sharing turns` (\"turns\": one busy worker steps at a time with "
             f"every core), and `--mode aggregated` "
-            f"(one worker doing both, every core). {p.model} {p.dtypes}, "
+            f"(one worker doing both, every core). {p.model} {p.isoserve_dtypes}, "
             f"~{p.prompt_tokens}-token prompts (mean as the server counted them: "
             f"{num(d[0]['mean_prompt_tokens'])}), {p.output_tokens} output tokens with "
             f"`ignore_eos`, closed loop. Output tokens/s of successful requests over the wall "
@@ -337,7 +342,7 @@ def part_guards(run: Run) -> str:
     headers = ["configuration", "out tok/s", "vs guards on", "ITL p50 ms", "vs guards on",
                "TPOT p50 ms", "vs guards on", "KV transfer MB/s", "vs guards on", "failed"]
     per_round = "; ".join(f"{n}: " + ", ".join(num(x["tok_s"]) for x in measured[n]) for n in names)
-    body = (f"Disaggregated `isoserve serve`, {p.model} {p.dtypes}, concurrency "
+    body = (f"Disaggregated `isoserve serve`, {p.model} {p.isoserve_dtypes}, concurrency "
             f"{p.guard_concurrency}, ~{p.prompt_tokens}-token prompts, {p.output_tokens} output "
             f"tokens (`ignore_eos`). Each configuration ran {p.guard_rounds} time(s), in rotated "
             f"order, each on a fresh server; the table shows medians. \"guards all off\" is "
@@ -516,7 +521,7 @@ def part_roofline(run: Run) -> str:
             f"better of `.sum()` over a {bw['bytes'] / 2**20:.0f} MiB float32 tensor, "
             f"{bw['read_bytes_per_s'] / 1e9:.1f} GB/s, and copying it, "
             f"{bw['copy_bytes_per_s'] / 1e9:.1f} GB/s read + write).\n\n"
-            f"{p.model} {p.dtypes}: {costs['parameters'] / 1e6:.1f} M parameters, "
+            f"{p.model} {p.isoserve_dtypes}: {costs['parameters'] / 1e6:.1f} M parameters, "
             f"{costs['matmul_parameters'] / 1e6:.1f} M of them in the matmuls of a decode step "
             f"({tied}), {costs['weight_bytes'] / 1e6:.1f} MB of "
             f"weights read per step, {costs['kv_bytes_per_token'] / 1024:.1f} KiB of KV per token. "
