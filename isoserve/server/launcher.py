@@ -335,7 +335,13 @@ async def _serve(args) -> int:
         signal.signal(signal.SIGTERM, lambda *_: None)
         drain = asyncio.create_task(_drain_on_exit(server, app.state.api, router, args.shutdown_grace))
         await server.serve()
-        drain.cancel()
+        if server.should_exit:
+            # uvicorn returns once the last connection closed, which can be within the drain's
+            # 0.1 s poll of the last request ending: let it see that and say how the drain
+            # ended (it is bounded by the grace period) rather than cancel it mid-sentence.
+            await drain
+        else:
+            drain.cancel()
         log.info("serve: stopped; stopping the workers")
         return 0
     finally:
