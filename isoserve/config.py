@@ -41,13 +41,14 @@ def native_bfloat16(device: str = "cpu") -> bool:
 @dataclass(frozen=True)
 class AutoInputs:
     """What `--dtype auto` looks at besides the device: the model, where its converted weights
-    are cached, and whether the run lets the int8 block kernels take every step (not under
-    --no-fused-kernels, --no-int8-activations or any --int4-max-rows, above which a float32
-    step would multiply dense float32 weights). Without a model, "auto" is the device's own
-    choice: what the benchmarks' peers run in."""
+    are cached, and the options that decide which kernels multiply its blocks (EngineConfig's
+    fields of those names; model/quantized.py's int8_blocks_preferred reads them). Without a
+    model, "auto" is the device's own choice: what the benchmarks' peers run in."""
     model: str | None = None
     cache_dir: str | None = None
-    int8_blocks: bool = True
+    fused_kernels: bool = True
+    int8_activations: bool | None = None
+    int4_max_rows: int | None = None
 
     @classmethod
     def of(cls, run) -> AutoInputs:
@@ -55,8 +56,8 @@ class AutoInputs:
         command whose --model defaults to None runs the default model)."""
         from isoserve.model.registry import DEFAULT_MODEL
         return cls(getattr(run, "model", None) or DEFAULT_MODEL, getattr(run, "cache_dir", None),
-                   getattr(run, "fused_kernels", True) and getattr(run, "int8_activations", None) is not False
-                   and getattr(run, "int4_max_rows", None) is None)
+                   getattr(run, "fused_kernels", True), getattr(run, "int8_activations", None),
+                   getattr(run, "int4_max_rows", None))
 
 
 def parse_dtype(name: str | torch.dtype, device: str = "cpu", auto: AutoInputs = AutoInputs()) -> torch.dtype:
@@ -71,9 +72,9 @@ def parse_dtype(name: str | torch.dtype, device: str = "cpu", auto: AutoInputs =
     if name == "auto":
         if not native_bfloat16(device):
             return torch.float32
-        if torch.device(device).type == "cpu" and auto.model is not None and auto.int8_blocks:
+        if torch.device(device).type == "cpu" and auto.model is not None:
             from isoserve.model.quantized import int8_blocks_preferred
-            if int8_blocks_preferred(auto.model, auto.cache_dir):
+            if int8_blocks_preferred(auto):
                 return torch.float32
         return torch.bfloat16
     try:

@@ -282,7 +282,7 @@ def test_dtype_auto_runs_a_q4_1_gguf_in_float32_where_the_avx512_vnni_tiles_beat
     assert parse_kv_dtype("auto", "auto", auto=gguf) == torch.bfloat16  # float32 computes, bfloat16 KV
     plain = torch.bfloat16 if native else torch.float32
     assert parse_dtype("auto", auto=AutoInputs(str(tiny_llama_dir))) == plain
-    assert parse_dtype("auto", auto=AutoInputs(str(tiny_q4_1), str(tiny_cache), int8_blocks=False)) == plain
+    assert parse_dtype("auto", auto=AutoInputs(str(tiny_q4_1), str(tiny_cache), int8_activations=False)) == plain
     assert parse_dtype("auto") == plain  # no model: the device's own choice, as the benchmarks' peers run
     assert parse_dtype("auto", auto=AutoInputs("no-such-model")) == plain  # loading it says what is wrong
     llm = LLM(model=str(tiny_q4_1), cache_dir=str(tiny_cache), max_num_seqs=4)

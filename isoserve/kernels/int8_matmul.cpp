@@ -326,11 +326,10 @@ inline __m512i count_codes(__m512i codes, __m512i w) { return _mm512_dpbusd_epi3
 inline __m512i take_back_offset(__m512i codes) { return _mm512_sub_epi32(_mm512_setzero_si512(), _mm512_slli_epi32(codes, 7)); }
 
 // Where a tile's pairs of panels come from: a step of one tile reads each group where it lies
-// (InPlace); one of several tiles gathers the pair once into a buffer that every tile reads
-// (Gathered: 8 vectors a block, then a start a block; 27 KB for K = 1,536, in L1 and L2), which
-// one tile would only write and read back. The sums are the same either way.
-// InPlace counts a Q8_0 block's codes as its groups go by; Gathered counted them once, as it
-// gathered, and keeps each block's offset (8 vectors a block, then an offset a block).
+// (InPlace), and counts a Q8_0 block's codes as they go by; one of several tiles gathers the
+// pair once into a buffer that every tile reads (Gathered: 8 vectors a block, then each Q8_0
+// block's offset; 27 KB for K = 1,536, in L1 and L2), which one tile would only write and read
+// back. The sums are the same either way.
 template <typename F>
 struct InPlace {
   static constexpr bool kKeepsOffsets = false;
@@ -383,13 +382,13 @@ inline void tile_512(const int32_t* words, const float* scale, const float* sum,
       for (int r = 0; r < R; ++r) block[r] = _mm512_add_epi32(block[r], offset);
     }
     const __m512 vd = join(_mm256_loadu_ps(d + b * kPanel), _mm256_loadu_ps(d + panel_stride + b * kPanel));
+    __m512 vm = _mm512_setzero_ps();
+    if constexpr (F::Format::kHasMin) vm = join(_mm256_loadu_ps(m + b * kPanel), _mm256_loadu_ps(m + panel_stride + b * kPanel));
 #pragma GCC unroll 8
     for (int r = 0; r < R; ++r) {
       const __m512 da = _mm512_mul_ps(vd, _mm512_set1_ps(scale[r * blocks + b]));
       acc[r] = _mm512_fmadd_ps(_mm512_cvtepi32_ps(block[r]), da, acc[r]);
-      if (F::Format::kHasMin)
-        acc[r] = _mm512_fmadd_ps(join(_mm256_loadu_ps(m + b * kPanel), _mm256_loadu_ps(m + panel_stride + b * kPanel)),
-                                 _mm512_set1_ps(sum[r * blocks + b]), acc[r]);
+      if constexpr (F::Format::kHasMin) acc[r] = _mm512_fmadd_ps(vm, _mm512_set1_ps(sum[r * blocks + b]), acc[r]);
     }
   }
   for (int r = 0; r < R; ++r) {

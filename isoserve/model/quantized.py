@@ -43,26 +43,29 @@ Weight = (AmxQ4Weight | AmxQ8Weight | Int4Weight | VectorQ4Weight | VectorQ8Weig
 Tier = tuple[int, Weight]  # (most rows, weight)
 
 
-def int8_blocks_preferred(model: str, cache_dir=None) -> bool:
-    """Whether `--dtype auto` should run `model` in float32 with int8 activations on this CPU
-    although it computes in bfloat16 natively: where the CPU has no AMX, its int8 block kernels
-    run their AVX512-VNNI tiles, and the model is a GGUF with Q4_1 projections. On a 2-core
-    AMD Zen 4 that ran 1.26x bfloat16's output tokens/s at batch 32 and 1.15x its 2,000-token
-    prefill (docs/benchmarks.md). With AMX, the AMX kernels multiply bfloat16 by those blocks
-    faster still; without VNNI (AVX2 alone) nobody measured this choice on a CPU with native
-    bfloat16; and dense weights compute twice as fast in bfloat16 as in float32."""
-    from isoserve.kernels import KernelsUnavailable, cpu_ops
+def int8_blocks_preferred(auto) -> bool:
+    """Whether `--dtype auto` should run a model (config.AutoInputs: the model and its run's
+    options) in float32 with int8 activations on this CPU although it computes in bfloat16
+    natively: where the CPU has no AMX, the int8 kernels run their AVX512-VNNI tiles and take
+    every step (the float32 tier q4_tiers would build: no --int4-max-rows, above which a step
+    would multiply dense float32 weights), and the model is a GGUF with Q4_1 projections. On a
+    2-core AMD Zen 4 that ran 1.26x bfloat16's output tokens/s at batch 32 and 1.15x its
+    2,000-token prefill (docs/benchmarks.md). With AMX, the AMX kernels multiply bfloat16 by
+    those blocks faster still; without VNNI (AVX2 alone) nobody measured this choice on a CPU
+    with native bfloat16; and dense weights compute twice as fast in bfloat16 as in float32."""
+    from isoserve.kernels import try_cpu_ops
     from isoserve.model.loader import has_q4_1_blocks
     from isoserve.model.registry import resolve_model
-    try:
-        if resolve_model(model).kind != "gguf":
-            return False
-        kernels = cpu_ops()
-        if amx_unavailable(kernels) == "" or kernels.int8_isa() != "avx512-vnni":
-            return False
-        return has_q4_1_blocks(model, cache_dir)
-    except KernelsUnavailable:
+    if not auto.fused_kernels or auto.int4_max_rows is not None:
         return False
+    try:
+        if resolve_model(auto.model).kind != "gguf":
+            return False
+        kernels, _ = try_cpu_ops()
+        if (kernels is None or not _int8_applies(kernels, auto.int8_activations)
+                or amx_unavailable(kernels) == "" or kernels.int8_isa() != "avx512-vnni"):
+            return False
+        return has_q4_1_blocks(auto.model, auto.cache_dir)
     except Exception:  # an unknown or unreadable model: loading it says so, in its own words
         return False
 
