@@ -14,8 +14,8 @@ from isoserve.engine.sampling_params import SamplingParams
 from isoserve.config import AutoInputs, native_bfloat16, parse_dtype, parse_kv_dtype
 from isoserve.kernels import cpu_ops
 from isoserve.model import int4, q8_0
-from isoserve.model.int8_blocks import (Int8Q4SwigluWeight, Int8Q4Weight, Int8Q8Weight, q4_1_group_codes,
-                                        q8_0_group_codes, quantize_activations, reference)
+from isoserve.model.int8_blocks import (Int8Q4SwigluWeight, Int8Q4Weight, Int8Q8Weight, interleave_pairs,
+                                        q4_1_group_codes, q8_0_group_codes, quantize_activations, reference)
 from isoserve.model.llama import LlamaModel
 from isoserve.model.loader import has_q4_1_blocks, load_checkpoint
 from isoserve.model.projection import Projection
@@ -77,6 +77,25 @@ def test_q8_0_group_codes_put_four_inputs_of_eight_outputs_in_each_32_bytes():
         for k in range(64):
             block, j = divmod(k, 32)
             assert packed[n // PANEL, block, j // 4, (n % PANEL) * 4 + j % 4] == codes[n, k]
+
+
+def test_pairs_of_panels_are_interleaved_chunk_by_chunk_and_an_odd_last_panel_follows_them():
+    # What the kernels read (int8_matmul.cpp's layout): H panels from panel p at p's offset, and
+    # in them block b's chunk c of panel h at (b * H * chunks + c * H + h) * 32 bytes.
+    codes = torch.randint(0, 16, (24, 64), generator=torch.Generator().manual_seed(0))  # 3 panels, 2 blocks
+    apart, paired = q4_1_group_codes(codes), interleave_pairs(q4_1_group_codes(codes))
+    assert paired.shape == apart.shape and paired.is_contiguous()
+    flat = paired.flatten()
+    for p, h_count in ((0, 2), (2, 1)):
+        base = p * apart[0].numel()
+        for h in range(h_count):
+            for b in range(2):
+                for c in range(4):
+                    at = base + (b * h_count * 4 + c * h_count + h) * 32
+                    assert torch.equal(flat[at:at + 32], apart[p + h, b, c])
+    d = torch.arange(3 * 2 * 8).reshape(3, 2, 8)
+    assert interleave_pairs(d).flatten().tolist()[:32] == [*range(0, 8), *range(16, 24), *range(8, 16), *range(24, 32)]
+    assert torch.equal(interleave_pairs(d)[2], d[2])
 
 
 def test_activations_are_quantized_by_blocks_of_32_to_their_largest_magnitude():

@@ -23,7 +23,12 @@
 // bytes hold the 8 outputs' 4 codes each ([output][input]), so one vpmaddubsw against one
 // row's 4 inputs broadcast gives, per output, two sums of two products. Q4_1: a block's 8
 // groups in 4 chunks of 32 bytes, chunk c holding group c in its low nibbles and group c + 4
-// in its high ones: [N / 8, K / 32, 4, 32] bytes. Q8_0: [N / 8, K / 32, 8, 32] int8.
+// in its high ones: [N / 8, K / 32, 4, 32] bytes. Q8_0: [N / 8, K / 32, 8, 32] int8. Panels go
+// in pairs (2i, 2i + 1), interleaved chunk by chunk and their scales block by block: a pair's
+// codes are [K / 32, 4 (Q8_0: 8), 2, 32] bytes and its d and m [K / 32, 2, 8], so that a pair is
+// one stream in memory and its two panels' chunk one 64-byte load; an odd count's last panel
+// follows the pairs as it is. H panels (1 or 2) from panel p: codes at cp + p * panel_bytes,
+// block b's chunk c of panel h at + (b * H * 4 + c * H + h) * 32 (Q4_1), scales at + (b * H + h) * 8.
 //
 // SwiGLU (q4_1_swiglu_i8): a merged gate-up weight whose pairs of panels are a gate panel and
 // the up panel of the same 8 outputs gives silu(gate) * up for them straight from its two
@@ -144,8 +149,9 @@ struct Q4_1 {
   static constexpr int kVectors = 1;                // widened vectors per group and panel
   static constexpr int64_t kBlockBytes = 4 * 32;    // a panel's codes for one block
   static constexpr bool kHasMin = true;
-  static inline void widen(const uint8_t* block, int g, __m256i* out) {
-    const __m256i v = _mm256_loadu_si256(reinterpret_cast<const __m256i*>(block + 32 * (g % 4)));
+  // block: the panel's first chunk of the block; stride: bytes from one of its chunks to the next
+  static inline void widen(const uint8_t* block, int64_t stride, int g, __m256i* out) {
+    const __m256i v = _mm256_loadu_si256(reinterpret_cast<const __m256i*>(block + stride * (g % 4)));
     out[0] = _mm256_and_si256(g < 4 ? v : _mm256_srli_epi16(v, 4), _mm256_set1_epi8(15));
   }
   // The 16 int16 pair sums of a group's products with one row's word broadcast in a.
@@ -156,8 +162,8 @@ struct Q8_0 {
   static constexpr int kVectors = 2;
   static constexpr int64_t kBlockBytes = 8 * 32;
   static constexpr bool kHasMin = false;
-  static inline void widen(const uint8_t* block, int g, __m256i* out) {
-    const __m256i v = _mm256_loadu_si256(reinterpret_cast<const __m256i*>(block + 32 * g));
+  static inline void widen(const uint8_t* block, int64_t stride, int g, __m256i* out) {
+    const __m256i v = _mm256_loadu_si256(reinterpret_cast<const __m256i*>(block + stride * g));
     out[0] = _mm256_abs_epi8(v);  // -128 stays 0x80: 128 unsigned
     out[1] = v;
   }
@@ -172,13 +178,12 @@ struct Q8_0 {
 // (a 1-row decode step was 10% slower so). The sums are the same either way.
 template <typename Format, int H, bool Direct>
 struct Weights {
-  const uint8_t* codes;      // Direct: panel h's codes at codes + h * panel_bytes
-  int64_t panel_bytes;
+  const uint8_t* codes;      // Direct: the H panels' codes, chunks interleaved (layout above)
   const __m256i* widened;    // else
   inline void group(int64_t b, int g, __m256i (&w)[H][Format::kVectors]) const {
     for (int h = 0; h < H; ++h) {
       if (Direct) {
-        Format::widen(codes + h * panel_bytes + b * Format::kBlockBytes, g, w[h]);
+        Format::widen(codes + b * H * Format::kBlockBytes + h * 32, H * 32, g, w[h]);
       } else {
         for (int v = 0; v < Format::kVectors; ++v)
           w[h][v] = _mm256_load_si256(widened + ((b * 8 + g) * H + h) * Format::kVectors + v);
@@ -191,8 +196,7 @@ struct Weights {
 // gate panel and its up panel), y[r, 8 p .. 8 (p + 1)) = silu(gate) * up instead.
 template <typename Format, int H, int R, bool Direct, bool Swiglu>
 inline void tile(const int32_t* words, const float* scale, const float* sum, int64_t K,
-                 const Weights<Format, H, Direct>& weights, const float* d, const float* m, int64_t panel_stride,
-                 float* y, int64_t N) {
+                 const Weights<Format, H, Direct>& weights, const float* d, const float* m, float* y, int64_t N) {
   const __m256i ones = _mm256_set1_epi16(1);
   __m256 acc[H][R];
   for (int h = 0; h < H; ++h)
@@ -221,14 +225,14 @@ inline void tile(const int32_t* words, const float* scale, const float* sum, int
     }
 #pragma GCC unroll 2
     for (int h = 0; h < H; ++h) {
-      const __m256 vd = _mm256_loadu_ps(d + h * panel_stride + b * kPanel);
+      const __m256 vd = _mm256_loadu_ps(d + (b * H + h) * kPanel);
 #pragma GCC unroll 6
       for (int r = 0; r < R; ++r) {
         const __m256i total = Format::kHasMin ? _mm256_madd_epi16(block[h][r], ones) : block[h][r];
         const __m256 da = _mm256_mul_ps(vd, _mm256_set1_ps(scale[r * blocks + b]));
         acc[h][r] = _mm256_fmadd_ps(_mm256_cvtepi32_ps(total), da, acc[h][r]);
         if (Format::kHasMin)
-          acc[h][r] = _mm256_fmadd_ps(_mm256_loadu_ps(m + h * panel_stride + b * kPanel),
+          acc[h][r] = _mm256_fmadd_ps(_mm256_loadu_ps(m + (b * H + h) * kPanel),
                                       _mm256_set1_ps(sum[r * blocks + b]), acc[h][r]);
       }
     }
@@ -244,13 +248,12 @@ inline void tile(const int32_t* words, const float* scale, const float* sum, int
 
 template <typename Format, int H, bool Direct, bool Swiglu>
 inline void tile_of(int rows, const int32_t* words, const float* scale, const float* sum, int64_t K,
-                    const Weights<Format, H, Direct>& w, const float* d, const float* m, int64_t panel_stride,
-                    float* y, int64_t N) {
+                    const Weights<Format, H, Direct>& w, const float* d, const float* m, float* y, int64_t N) {
   switch (rows) {
-    case 1: return tile<Format, H, 1, Direct, Swiglu>(words, scale, sum, K, w, d, m, panel_stride, y, N);
-    case 2: return tile<Format, H, 2, Direct, Swiglu>(words, scale, sum, K, w, d, m, panel_stride, y, N);
-    case 3: return tile<Format, H, 3, Direct, Swiglu>(words, scale, sum, K, w, d, m, panel_stride, y, N);
-    case 4: return tile<Format, H, 4, Direct, Swiglu>(words, scale, sum, K, w, d, m, panel_stride, y, N);
+    case 1: return tile<Format, H, 1, Direct, Swiglu>(words, scale, sum, K, w, d, m, y, N);
+    case 2: return tile<Format, H, 2, Direct, Swiglu>(words, scale, sum, K, w, d, m, y, N);
+    case 3: return tile<Format, H, 3, Direct, Swiglu>(words, scale, sum, K, w, d, m, y, N);
+    case 4: return tile<Format, H, 4, Direct, Swiglu>(words, scale, sum, K, w, d, m, y, N);
   }
 }
 
@@ -262,7 +265,7 @@ inline void panels_for_all_tiles(int64_t p, const QuantizedRows& q, const Tiles&
   const uint8_t* codes = cp + p * panel_bytes;
   const bool direct = tiles.count == 1;
   if (!direct) {
-    const Weights<Format, H, true> source{codes, panel_bytes, nullptr};
+    const Weights<Format, H, true> source{codes, nullptr};
     __m256i w[H][Format::kVectors];
     for (int64_t b = 0; b < blocks; ++b)
       for (int g = 0; g < 8; ++g) {
@@ -282,11 +285,11 @@ inline void panels_for_all_tiles(int64_t p, const QuantizedRows& q, const Tiles&
     const float* pm = mp ? mp + p * panel_stride : nullptr;
     float* py = yp + r0 * N + (Swiglu ? p / 2 : p) * kPanel;  // Swiglu: 8 outputs for 2 panels
     if (direct)
-      tile_of<Format, H, true, Swiglu>(rows, words, scale, sum, K, Weights<Format, H, true>{codes, panel_bytes, nullptr},
-                               pd, pm, panel_stride, py, N);
+      tile_of<Format, H, true, Swiglu>(rows, words, scale, sum, K, Weights<Format, H, true>{codes, nullptr},
+                                       pd, pm, py, N);
     else
-      tile_of<Format, H, false, Swiglu>(rows, words, scale, sum, K, Weights<Format, H, false>{nullptr, 0, buffer},
-                                pd, pm, panel_stride, py, N);
+      tile_of<Format, H, false, Swiglu>(rows, words, scale, sum, K, Weights<Format, H, false>{nullptr, buffer},
+                                        pd, pm, py, N);
   }
 }
 
@@ -295,19 +298,15 @@ inline void panels_for_all_tiles(int64_t p, const QuantizedRows& q, const Tiles&
 constexpr int kZmmTile = 8;  // rows: 8 int32 and 8 float32 sums, the weights and an input in 32 registers
 
 // Panel 0's 32 bytes in the low half, panel 1's in the high half.
-inline __m512i join(__m256i low, __m256i high) { return _mm512_inserti64x4(_mm512_castsi256_si512(low), high, 1); }
 inline __m256 high_half(__m512 v) { return _mm256_castpd_ps(_mm512_extractf64x4_pd(_mm512_castps_pd(v), 1)); }  // AVX512F, not DQ
-inline __m512 join(__m256 low, __m256 high) {
-  return _mm512_castpd_ps(_mm512_insertf64x4(_mm512_castpd256_pd512(_mm256_castps_pd(low)), _mm256_castps_pd(high), 1));
-}
 
-// Group g of block b of two panels, as vpdpbusd's weight operand, and a group's products added to s.
+// Group g of a block of two interleaved panels (`block`: its first byte), as vpdpbusd's weight
+// operand: one load, panel 0's 32 bytes then panel 1's; and a group's products added to s.
 struct Q4_1x16 {
   using Format = Q4_1;
   static constexpr int32_t kFlip = 0;
-  static inline __m512i group(const uint8_t* p0, const uint8_t* p1, int g) {
-    const __m512i v = join(_mm256_loadu_si256(reinterpret_cast<const __m256i*>(p0 + 32 * (g % 4))),
-                           _mm256_loadu_si256(reinterpret_cast<const __m256i*>(p1 + 32 * (g % 4))));
+  static inline __m512i group(const uint8_t* block, int g) {
+    const __m512i v = _mm512_loadu_si512(block + 64 * (g % 4));
     return _mm512_and_si512(g < 4 ? v : _mm512_srli_epi16(v, 4), _mm512_set1_epi8(15));
   }
   static inline __m512i dot(__m512i s, __m512i w, __m512i a) { return _mm512_dpbusd_epi32(s, w, a); }  // codes unsigned
@@ -316,10 +315,7 @@ struct Q4_1x16 {
 struct Q8_0x16 {
   using Format = Q8_0;
   static constexpr int32_t kFlip = static_cast<int32_t>(0x80808080u);  // activations as q + 128
-  static inline __m512i group(const uint8_t* p0, const uint8_t* p1, int g) {
-    return join(_mm256_loadu_si256(reinterpret_cast<const __m256i*>(p0 + 32 * g)),
-                _mm256_loadu_si256(reinterpret_cast<const __m256i*>(p1 + 32 * g)));
-  }
+  static inline __m512i group(const uint8_t* block, int g) { return _mm512_loadu_si512(block + 64 * g); }
   static inline __m512i dot(__m512i s, __m512i w, __m512i a) { return _mm512_dpbusd_epi32(s, a, w); }  // codes signed
 };
 
@@ -336,12 +332,8 @@ inline __m512i take_back_offset(__m512i codes) { return _mm512_sub_epi32(_mm512_
 template <typename F>
 struct InPlace {
   static constexpr bool kKeepsOffsets = false;
-  const uint8_t* codes;  // panel p's; panel p + 1's follow panel_bytes later
-  int64_t panel_bytes;
-  inline __m512i group(int64_t b, int g) const {
-    const uint8_t* p0 = codes + b * F::Format::kBlockBytes;
-    return F::group(p0, p0 + panel_bytes, g);
-  }
+  const uint8_t* codes;  // the pair's, interleaved
+  inline __m512i group(int64_t b, int g) const { return F::group(codes + b * 2 * F::Format::kBlockBytes, g); }
 };
 
 template <typename F>
@@ -364,7 +356,7 @@ struct Gathered {
 // panel and its up panel), y[r, 8 p' .. 8 p' + 8) = silu(gate) * up. AVX2's tile() lane for lane.
 template <typename F, int R, bool Swiglu, typename Source>
 inline void tile_512(const int32_t* words, const float* scale, const float* sum, int64_t K, const Source& source,
-                     const float* d, const float* m, int64_t panel_stride, float* y, int64_t N) {
+                     const float* d, const float* m, float* y, int64_t N) {
   __m512 acc[R];
   for (int r = 0; r < R; ++r) acc[r] = _mm512_setzero_ps();
   const int64_t blocks = K / 32;
@@ -384,9 +376,9 @@ inline void tile_512(const int32_t* words, const float* scale, const float* sum,
       else offset = take_back_offset(codes);
       for (int r = 0; r < R; ++r) block[r] = _mm512_add_epi32(block[r], offset);
     }
-    const __m512 vd = join(_mm256_loadu_ps(d + b * kPanel), _mm256_loadu_ps(d + panel_stride + b * kPanel));
+    const __m512 vd = _mm512_loadu_ps(d + b * 2 * kPanel);  // the pair's 16 scales of block b
     __m512 vm = _mm512_setzero_ps();
-    if constexpr (F::Format::kHasMin) vm = join(_mm256_loadu_ps(m + b * kPanel), _mm256_loadu_ps(m + panel_stride + b * kPanel));
+    if constexpr (F::Format::kHasMin) vm = _mm512_loadu_ps(m + b * 2 * kPanel);
 #pragma GCC unroll 8
     for (int r = 0; r < R; ++r) {
       const __m512 da = _mm512_mul_ps(vd, _mm512_set1_ps(scale[r * blocks + b]));
@@ -404,16 +396,16 @@ inline void tile_512(const int32_t* words, const float* scale, const float* sum,
 
 template <typename F, bool Swiglu, typename Source>
 inline void tile_512_of(int rows, const int32_t* words, const float* scale, const float* sum, int64_t K,
-                        const Source& source, const float* d, const float* m, int64_t panel_stride, float* y, int64_t N) {
+                        const Source& source, const float* d, const float* m, float* y, int64_t N) {
   switch (rows) {
-    case 1: return tile_512<F, 1, Swiglu>(words, scale, sum, K, source, d, m, panel_stride, y, N);
-    case 2: return tile_512<F, 2, Swiglu>(words, scale, sum, K, source, d, m, panel_stride, y, N);
-    case 3: return tile_512<F, 3, Swiglu>(words, scale, sum, K, source, d, m, panel_stride, y, N);
-    case 4: return tile_512<F, 4, Swiglu>(words, scale, sum, K, source, d, m, panel_stride, y, N);
-    case 5: return tile_512<F, 5, Swiglu>(words, scale, sum, K, source, d, m, panel_stride, y, N);
-    case 6: return tile_512<F, 6, Swiglu>(words, scale, sum, K, source, d, m, panel_stride, y, N);
-    case 7: return tile_512<F, 7, Swiglu>(words, scale, sum, K, source, d, m, panel_stride, y, N);
-    case 8: return tile_512<F, 8, Swiglu>(words, scale, sum, K, source, d, m, panel_stride, y, N);
+    case 1: return tile_512<F, 1, Swiglu>(words, scale, sum, K, source, d, m, y, N);
+    case 2: return tile_512<F, 2, Swiglu>(words, scale, sum, K, source, d, m, y, N);
+    case 3: return tile_512<F, 3, Swiglu>(words, scale, sum, K, source, d, m, y, N);
+    case 4: return tile_512<F, 4, Swiglu>(words, scale, sum, K, source, d, m, y, N);
+    case 5: return tile_512<F, 5, Swiglu>(words, scale, sum, K, source, d, m, y, N);
+    case 6: return tile_512<F, 6, Swiglu>(words, scale, sum, K, source, d, m, y, N);
+    case 7: return tile_512<F, 7, Swiglu>(words, scale, sum, K, source, d, m, y, N);
+    case 8: return tile_512<F, 8, Swiglu>(words, scale, sum, K, source, d, m, y, N);
   }
 }
 
@@ -422,7 +414,7 @@ template <typename F, bool Swiglu>
 inline void panel_pair_512(int64_t p, const QuantizedRows& q, const Tiles& tiles, int64_t K, const uint8_t* cp,
                            const float* dp, const float* mp, float* yp, int64_t N, __m512i* buffer) {
   const int64_t blocks = K / 32, panel_stride = blocks * kPanel, panel_bytes = blocks * F::Format::kBlockBytes;
-  const InPlace<F> in_place{cp + p * panel_bytes, panel_bytes};
+  const InPlace<F> in_place{cp + p * panel_bytes};
   if (tiles.count > 1) Gathered<F>::gather(buffer, in_place, blocks);
   const Gathered<F> gathered{buffer, blocks};
   for (int64_t t = 0; t < tiles.count; ++t) {
@@ -433,9 +425,9 @@ inline void panel_pair_512(int64_t p, const QuantizedRows& q, const Tiles& tiles
     const float *d = dp + p * panel_stride, *m = mp ? mp + p * panel_stride : nullptr;
     float* y = yp + r0 * N + (Swiglu ? p / 2 : p) * kPanel;
     if (tiles.count > 1)
-      tile_512_of<F, Swiglu>(rows, words, scale, sum, K, gathered, d, m, panel_stride, y, N);
+      tile_512_of<F, Swiglu>(rows, words, scale, sum, K, gathered, d, m, y, N);
     else
-      tile_512_of<F, Swiglu>(rows, words, scale, sum, K, in_place, d, m, panel_stride, y, N);
+      tile_512_of<F, Swiglu>(rows, words, scale, sum, K, in_place, d, m, y, N);
   }
 }
 

@@ -64,6 +64,7 @@ class VectorQ4Weight:
     kernels: object
     name = "float32 4-bit"
     layout = staticmethod(q4_1_panel_codes)
+    scale_layout = staticmethod(panels)  # d and m
     kernel = "q4_1_linear_f32"
 
     def __post_init__(self):
@@ -81,7 +82,7 @@ class VectorQ4Weight:
         """From merged codes [N, K] (0..15), d and m [N, K / 32]; None where the shape does not fit."""
         if not shape_fits(*codes.shape):
             return None
-        return cls(cls.layout(codes), panels(d.float()), panels(m.float()), kernels)
+        return cls(cls.layout(codes), cls.scale_layout(d.float()), cls.scale_layout(m.float()), kernels)
 
     @property
     def nbytes(self) -> int:
@@ -100,6 +101,7 @@ class VectorQ8Weight:
     kernels: object
     name = "float32 8-bit"
     layout = staticmethod(q8_0_panel_codes)
+    scale_layout = staticmethod(panels)
     kernel = "q8_0_linear_f32"
 
     def __post_init__(self):
@@ -109,7 +111,7 @@ class VectorQ8Weight:
     def from_companions(cls, codes: torch.Tensor, d: torch.Tensor, kernels) -> VectorQ8Weight | None:
         if not shape_fits(*codes.shape):
             return None
-        return cls(cls.layout(codes), panels(d.float()), kernels)
+        return cls(cls.layout(codes), cls.scale_layout(d.float()), kernels)
 
     @property
     def nbytes(self) -> int:
