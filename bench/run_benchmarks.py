@@ -47,7 +47,7 @@ from isoserve.bench.local_server import (add_tenant, child_env, isoserve_cmd, lo
                                          shown)
 from isoserve.bench.machine import describe, dtypes, machine_facts  # noqa: E402
 from isoserve.bench.plot import plot_runs  # noqa: E402
-from isoserve.config import GUARD_NAMES, AutoInputs, dtype_name, resolve_dtypes  # noqa: E402
+from isoserve.config import GUARD_NAMES, KV_DTYPE_CHOICES, AutoInputs, dtype_name, resolve_dtypes  # noqa: E402
 
 PARTS = ("offline", "serve", "target", "guards", "transfer", "llamacpp", "prefill", "roofline")
 TITLE = "# Benchmarks"
@@ -558,8 +558,9 @@ def main() -> int:
     ap.add_argument("--model", default="smollm2-135m-instruct")
     ap.add_argument("--dtype", default="auto", choices=["auto", "bfloat16", "float32"],
                     help="auto (default): bfloat16 where this CPU computes in it natively, else float32")
-    ap.add_argument("--kv-dtype", default="auto", choices=["auto", "bfloat16", "float32"],
-                    help="isoserve's KV cache: auto (default) as `isoserve serve` decides it")
+    ap.add_argument("--kv-dtype", default="auto", choices=KV_DTYPE_CHOICES,
+                    help="isoserve's KV cache: auto (default) as `isoserve serve` decides it; "
+                         "float8_e4m3fn (fp8) halves the bytes a decode step reads, not exactly")
     ap.add_argument("--guard-rounds", type=int, default=None,
                     help="times each guard configuration runs (default 2; 1 with --quick)")
     ap.add_argument("--target-rounds", type=int, default=None,

@@ -6,7 +6,7 @@ import logging
 import os
 import sys
 
-from isoserve.config import DTYPE_CHOICES, GUARD_NAMES, AutoInputs, dtype_name, parse_guard_names, resolve_dtypes
+from isoserve.config import DTYPE_CHOICES, GUARD_NAMES, KV_DTYPE_CHOICES, AutoInputs, dtype_name, parse_guard_names, resolve_dtypes
 from isoserve.disagg.cores import POLICIES
 
 
@@ -17,10 +17,12 @@ def _engine_args(p: argparse.ArgumentParser) -> None:
                    help="auto (default): bfloat16 where the CPU (or GPU) computes in it natively, "
                         "float32 elsewhere; and float32 with int8 activations for a GGUF of Q4_1 "
                         "projections on a CPU with AVX512-VNNI and no AMX, where that is faster")
-    p.add_argument("--kv-dtype", default="auto", choices=DTYPE_CHOICES,
+    p.add_argument("--kv-dtype", default="auto", choices=KV_DTYPE_CHOICES,
                    help="the KV cache's dtype: the model's, or bfloat16 under a float32 model, which "
                         "halves the bytes each decode step reads and doubles the tokens a pool holds "
-                        "(K and V rounded to bfloat16 as they are written). auto (default): the model's, "
+                        "(K and V rounded to bfloat16 as they are written); or float8_e4m3fn (fp8), "
+                        "8-bit floats under a bfloat16 or float32 model on a CPU: half bfloat16's bytes "
+                        "again, not exact (3 mantissa bits). auto (default): the model's, "
                         "but bfloat16 where --dtype auto picks float32 on a CPU")
     p.add_argument("--device", default="cpu", help="cpu (default) or cuda")
     p.add_argument("--page-size", type=int, default=16, help="tokens per KV page (default 16)")

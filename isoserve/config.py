@@ -25,6 +25,10 @@ GUARD_NAMES = ("admission", "capacity_audit", "writer_tags", "transfer_coverage"
 DTYPES = {"bfloat16": "bfloat16", "bf16": "bfloat16", "float32": "float32", "fp32": "float32",
           "float16": "float16", "fp16": "float16"}
 DTYPE_CHOICES = ("auto", "bfloat16", "float32", "float16")  # the --dtype flags' choices
+# A KV pool may also be 8-bit float (e4m3, as vLLM's `--kv-cache-dtype fp8`): half bfloat16's
+# bytes for each decode step to read, twice the tokens a pool holds (parse_kv_dtype).
+FP8_NAMES = ("float8_e4m3fn", "fp8", "fp8_e4m3")
+KV_DTYPE_CHOICES = DTYPE_CHOICES + FP8_NAMES  # the --kv-dtype flags' choices
 
 
 def native_bfloat16(device: str = "cpu") -> bool:
@@ -69,6 +73,8 @@ def parse_dtype(name: str | torch.dtype, device: str = "cpu", auto: AutoInputs =
 
     if isinstance(name, torch.dtype):
         return name
+    if name in FP8_NAMES:
+        return torch.float8_e4m3fn
     if name == "auto":
         if not native_bfloat16(device):
             return torch.float32
@@ -98,14 +104,30 @@ def parse_kv_dtype(name: str | torch.dtype, dtype: str | torch.dtype, device: st
     "auto" is the model's dtype, except where `--dtype auto` chose float32 on a CPU (for want
     of native bfloat16, or for the int8 block kernels): there the model runs in float32 only
     for its matmuls' sake, and its KV cache is bfloat16, whatever the checkpoint's dtype
-    (`--kv-dtype float32` keeps float32). Any other pair is refused: no kernel reads it."""
+    (`--kv-dtype float32` keeps float32).
+
+    float8_e4m3fn (also "fp8"), under a bfloat16 or float32 model on a CPU: K and V rounded to
+    8-bit floats as they are written (to nearest even, saturating at +-448, as torch's .to()
+    does), widened exactly as read. Half bfloat16's bytes: at batch 32 of the default model the
+    KV a decode step reads outweighs its 4-bit weights. Not exact: each element keeps 3
+    mantissa bits, so logits move and greedy tokens can differ from a bfloat16 pool's.
+    Any other pair is refused: no kernel reads it."""
     import torch
 
     model = parse_dtype(dtype, device, auto)
+    if model == torch.float8_e4m3fn:
+        raise ValueError("float8 is a KV cache dtype (--kv-dtype); a model runs in bfloat16 or float32")
     if name == "auto":
         fell_back = dtype == "auto" and model == torch.float32 and torch.device(device).type == "cpu"
         return torch.bfloat16 if fell_back else model
     kv = parse_dtype(name)
+    if kv == torch.float8_e4m3fn:
+        if torch.device(device).type != "cpu":
+            raise ValueError(f"a float8 KV cache runs on the CPU's kernels only, not on {device}: "
+                             f"use --kv-dtype auto there")
+        if model not in (torch.bfloat16, torch.float32):
+            raise ValueError(f"a float8 KV cache needs a bfloat16 or float32 model, not {dtype_name(model)}")
+        return kv
     if kv != model and not (model == torch.float32 and kv == torch.bfloat16):
         raise ValueError(f"a {dtype_name(model)} model cannot keep its KV cache in {dtype_name(kv)}: "
                          f"use --kv-dtype auto or {dtype_name(model)}, or bfloat16 under --dtype float32")

@@ -498,7 +498,8 @@ def test_serve_decides_the_kv_dtype_once_and_sizes_and_starts_workers_with_it():
 
     # (): bfloat16 KV on either CPU, under a bfloat16 model or a float32 one that fell back
     cases = {(): "bfloat16", ("--dtype", "float32"): "float32", ("--dtype", "bfloat16"): "bfloat16",
-             ("--dtype", "float32", "--kv-dtype", "bfloat16"): "bfloat16"}
+             ("--dtype", "float32", "--kv-dtype", "bfloat16"): "bfloat16",
+             ("--kv-dtype", "fp8"): "float8_e4m3fn", ("--dtype", "float32", "--kv-dtype", "float8_e4m3fn"): "float8_e4m3fn"}
     for flags, kv_dtype in cases.items():
         args = build_parser().parse_args(["serve", *flags])
         args.disabled_guards = frozenset()

@@ -288,8 +288,113 @@ def test_decode_attention_over_a_bfloat16_pool_is_the_float32_kernel_on_its_valu
     gold = _gold_attention(q, k.float(), v.float(), attn, 0.25)
     torch.testing.assert_close(actual.double(), gold, rtol=1e-5, atol=1e-5)
     k, v = k.nan_to_num(0.0), v.nan_to_num(0.0)  # the torch path multiplies padding by zero
+    # (torch's float32 matmuls sum in their own order: on one AMX Xeon an output of 0.013 came
+    # out 1.2e-6 apart, past 1e-6)
     torch.testing.assert_close(_kernel_attention(q, k, v, attn, 0.25, False),
-                               TorchOps.decode_attention(q, k, v, attn, 0.25), rtol=1e-5, atol=1e-6)
+                               TorchOps.decode_attention(q, k, v, attn, 0.25), rtol=1e-5, atol=1e-5)
+
+
+# ---- A float8 pool (--kv-dtype float8_e4m3fn, config.parse_kv_dtype; kernels/fp8.h) ----------
+
+F8 = torch.float8_e4m3fn
+
+
+def _every_code_and_more() -> torch.Tensor:
+    """float32 values that reach every rounding case: each e4m3 value and each midpoint between
+    neighbours (ties, to even), a sweep over every magnitude, the subnormals and the smallest
+    normal's neighbourhood, past the largest finite value (448) up to infinity, and NaN."""
+    g = torch.Generator().manual_seed(8)
+    codes = torch.arange(256, dtype=torch.uint8).view(F8).float()
+    finite = codes[codes.isfinite()].sort().values
+    sweep = torch.cat([torch.randn(4096, generator=g) * 2.0 ** e for e in range(-12, 11, 2)])
+    special = torch.tensor([0.0, -0.0, 2.0 ** -6, 2.0 ** -9, 2.0 ** -10, 2.0 ** -10 * 1.0001, 3 * 2.0 ** -10,
+                            7.5 * 2.0 ** -9, 447.0, 448.0, 449.0, 464.0, 465.0, 480.0, 1e6, float("inf"),
+                            -float("inf"), float("nan")])
+    return torch.cat([finite, (finite[1:] + finite[:-1]) / 2, sweep, -sweep, special])
+
+
+@pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])
+def test_rotary_store_into_a_float8_pool_rounds_as_torch_does(fused, dtype):
+    """K and V into a float8 pool: each rounded once to e4m3, to the very code torch's .to()
+    gives (to nearest even, saturating at +-448, infinity included, NaN kept), in their slots and
+    no others; Q as for a pool of the model's dtype. V is written as projected, so the values
+    below reach the pool unrotated and every rounding case is checked; the torch path's
+    write_kv writes the same bytes."""
+    values = _every_code_and_more().to(dtype)
+    heads, kv_heads, dim = 2, 1, 64
+    tokens = -(-values.numel() // dim)
+    qk = torch.randn(tokens, (heads + kv_heads) * dim, generator=torch.Generator().manual_seed(3)).to(dtype)
+    v_rows = torch.cat([values, torch.zeros(tokens * dim - values.numel(), dtype=dtype)]).view(tokens, dim)
+    qkv = torch.cat([qk, v_rows], dim=1)
+    angles = torch.rand(tokens, 1, dim, generator=torch.Generator().manual_seed(4)) * 6
+    cos, sin = angles.cos().to(dtype), angles.sin().to(dtype)
+    slots = torch.randperm(tokens + 7, generator=torch.Generator().manual_seed(5))[:tokens]
+    pages = -(-(tokens + 7) // 4)
+    k_wide, v_wide = (c.zero_() for c in _caches(dtype, pages=pages, kv_heads=kv_heads, dim=dim))
+    k_f8, v_f8 = torch.full_like(k_wide, 3.0).to(F8), torch.full_like(v_wide, 3.0).to(F8)
+    k_ref, v_ref = k_f8.clone(), v_f8.clone()
+    q_wide = fused.rotary_store(qkv, cos, sin, k_wide, v_wide, slots, heads)
+    q_f8 = fused.rotary_store(qkv, cos, sin, k_f8, v_f8, slots, heads)
+    assert torch.equal(q_f8, q_wide)
+    as_bytes = lambda t: t.view(torch.uint8)  # noqa: E731 (NaN codes compare as bytes)
+    written = torch.zeros(k_f8.shape[1] * k_f8.shape[2], dtype=torch.bool)
+    written[slots] = True
+    for narrow, wide in ((k_f8, k_wide), (v_f8, v_wide)):
+        got, want = as_bytes(narrow).view(kv_heads, -1, dim), as_bytes(wide.to(F8)).view(kv_heads, -1, dim)
+        assert torch.equal(got[:, written], want[:, written])
+        assert (got[:, ~written] == as_bytes(torch.tensor(3.0).to(F8))).all()  # untouched
+    TorchOps.rotary_store(qkv, cos, sin, k_ref, v_ref, slots, heads)
+    assert torch.equal(as_bytes(v_ref), as_bytes(v_f8))
+
+
+@pytest.mark.parametrize("shape", ATTENTION_SHAPES + [(12, 3, 64), (4, 2, 20)])
+@pytest.mark.parametrize("lens", [[1], [5, 4, 13], [16, 1, 9, 30, 2, 7, 33]])
+def test_decode_attention_over_a_float8_pool_is_the_kernel_over_its_values(shape, lens):
+    """A float8 pool holds e4m3 values, each exactly a bfloat16: decoding over it gives, to the
+    bit, what a bfloat16 model gives over a bfloat16 pool of the same values (the same dot
+    products, widened in registers from 8 bits), and a float32 model what it gives over those
+    values in float32. The pool cycles through every finite code; nothing past a sequence's
+    length is read (NaN there would show)."""
+    g = torch.Generator().manual_seed(len(lens))
+    for dtype in (torch.bfloat16, torch.float32):
+        q, k, v, attn = _attention_case(dtype, lens, shape=shape)
+        finite = torch.tensor([c for c in range(256) if c & 0x7F != 0x7F], dtype=torch.uint8)
+        k_codes = finite[torch.randperm(finite.numel(), generator=g)].repeat(-(-k.numel() // finite.numel()))
+        k_codes = k_codes[:k.numel()].view(k.shape)  # every finite code, over and over
+        v_codes = k_codes.flip(-1).contiguous()
+        k_codes[k.isnan()], v_codes[v.isnan()] = 0x7F, 0x7F  # NaN where nothing may read
+        k8, v8 = k_codes.view(F8), v_codes.view(F8)
+        actual = _kernel_attention(q, k8, v8, attn, 0.25, True)
+        assert actual.dtype == dtype and not actual.isnan().any()
+        widened = torch.bfloat16 if dtype == torch.bfloat16 else torch.float32
+        assert torch.equal(k8.to(widened).to(F8).view(torch.uint8), k8.view(torch.uint8))  # exact widening
+        expected = _kernel_attention(q, k8.to(widened), v8.to(widened), attn, 0.25, True)
+        if dtype == torch.bfloat16:
+            assert torch.equal(actual, expected)
+        else:  # over a float32 pool the AVX2 kernel sums in its own order, with its own exp
+            torch.testing.assert_close(actual, expected, rtol=1e-4, atol=1e-3)
+        torch.testing.assert_close(actual.double(), _gold_attention(q, k8.float(), v8.float(), attn, 0.25),
+                                   rtol=2 * BF16_ULP if dtype == torch.bfloat16 else 1e-4, atol=1e-3)
+
+
+def test_float8_pages_widen_to_bfloat16_exactly_and_only_pages_of_the_pool():
+    """fp8_pages_to_bfloat16 (the AMX prefill's input): the listed pages, every code widened
+    exactly as torch widens it (NaN to NaN), in order; a page outside the pool is refused."""
+    kernels = cpu_ops()
+    codes = torch.arange(256, dtype=torch.uint8).repeat(2 * 6 * 16 * 64 // 256).view(2, 6, 16, 64)
+    cache = codes[:, torch.randperm(6)].contiguous().view(F8)
+    pages = torch.tensor([4, 0, 5, 4])
+    got = kernels.fp8_pages_to_bf16(cache, pages)
+    assert got.dtype == torch.bfloat16 and got.shape == (2, 4, 16, 64)
+    torch.testing.assert_close(got, cache[:, pages].to(torch.bfloat16), rtol=0, atol=0, equal_nan=True)
+    odd = torch.arange(3 * 5 * 7, dtype=torch.uint8).view(1, 3, 5, 7).view(F8)  # no whole 32-code vectors
+    torch.testing.assert_close(kernels.fp8_pages_to_bf16(odd, torch.tensor([2, 1])), odd[:, [2, 1]].to(torch.bfloat16),
+                               rtol=0, atol=0, equal_nan=True)
+    for page in (6, -1):
+        with pytest.raises(RuntimeError, match="outside the pool"):
+            kernels.fp8_pages_to_bf16(cache, torch.tensor([0, page]))
+    with pytest.raises(RuntimeError, match="float8_e4m3fn"):
+        kernels.fp8_pages_to_bf16(cache.to(torch.bfloat16), pages)
 
 
 def test_kernels_refuse_a_pool_dtype_no_kernel_reads(fused):
@@ -352,11 +457,11 @@ def test_kernels_refuse_wrong_inputs(fused):
         kernels.argmax_rows(torch.zeros(8, 2).t())
 
 
-@pytest.mark.parametrize("kv_dtype", ["float32", "bfloat16"])
+@pytest.mark.parametrize("kv_dtype", ["float32", "bfloat16", "float8_e4m3fn"])
 def test_mixed_step_fused_equals_torch_in_float32(tiny_llama_dir, kv_dtype):
     """A whole engine, fused vs torch ops, over steps that mix prefill chunks with decodes:
-    the same greedy tokens and logprobs to float32 rounding, with a float32 pool and with a
-    bfloat16 one."""
+    the same greedy tokens and logprobs to float32 rounding, with a float32 pool, a bfloat16
+    one and a float8 one."""
     from isoserve.engine.llm import LLM
     from isoserve.engine.sampling_params import SamplingParams
 

@@ -206,6 +206,67 @@ def test_a_bfloat16_pool_holds_twice_the_tokens_of_a_memory_budget(page_size, bu
         assert pool.slot_bytes == CONFIG.kv_bytes_per_token(2) and pool.nbytes <= budget
 
 
+@given(page_size=st.integers(1, 64), budget=st.integers(1, 2_000_000))
+def test_a_float8_pool_holds_twice_the_tokens_of_a_bfloat16_one(page_size, budget):
+    """--kv-dtype float8_e4m3fn: one byte an element, so a budget buys twice bfloat16's pages
+    (give or take the page the division rounds off), and a pool's slot is one byte a value."""
+    half = KVPool.pages_for(CONFIG, page_size, torch.bfloat16, kv_memory_bytes=budget)
+    byte = KVPool.pages_for(CONFIG, page_size, torch.float8_e4m3fn, kv_memory_bytes=budget)
+    assert byte in (2 * half, 2 * half + 1)
+    assert byte * KVPool.page_bytes(CONFIG, page_size, torch.float8_e4m3fn) <= budget
+    if byte:
+        pool = KVPool(CONFIG, byte, page_size, torch.float8_e4m3fn, "meta")
+        assert pool.slot_bytes == CONFIG.kv_bytes_per_token(1) and pool.nbytes <= budget
+
+
+def test_a_float8_pool_moves_its_bytes_whole_and_scrubs_to_zero():
+    """A float8 pool's pages cross a transfer as their own bytes, NaN codes included, into a
+    float8 pool only (a bfloat16 one refuses them before writing); scrubbing zeroes them."""
+    from isoserve.disagg.manifest import TransferRejected, build_manifest, verify_transfer, write_transfer
+    from isoserve.engine.sequence import Sequence
+
+    def sequence(pool, tag):  # a prompt of 7 tokens in pages 1 and 0
+        return Sequence("r", tag, list(range(7)), SamplingParams(), 0, output_token_ids=[1], pages=[1, 0],
+                        page_epochs=[int(pool.epoch[1]), int(pool.epoch[0])], num_computed=7)
+
+    sender = KVPool(CONFIG, 2, 4, torch.float8_e4m3fn)
+    sender.kv.view(torch.uint8).copy_(torch.arange(sender.kv.numel(), dtype=torch.int64).remainder(256)
+                                      .to(torch.uint8).view(sender.kv.shape))
+    manifest, frames = build_manifest(sender, sequence(sender, 1), None, 0.0)
+    assert manifest.kv_dtype == "float8_e4m3fn"
+    refusing = KVPool(CONFIG, 2, 4, torch.bfloat16)
+    with pytest.raises(TransferRejected) as refused:
+        verify_transfer(manifest, frames, sequence(refusing, 2), refusing)
+    assert refused.value.reason == "kv_dtype" and not refusing.kv.any()
+    receiver = KVPool(CONFIG, 2, 4, torch.float8_e4m3fn)
+    seq = sequence(receiver, 2)
+    verify_transfer(manifest, frames, seq, receiver)
+    write_transfer(manifest, frames, seq, receiver)
+    as_bytes = lambda t: t.view(torch.uint8)  # noqa: E731 (NaN codes compare as bytes)
+    assert torch.equal(as_bytes(receiver.read_page(1, 4)), as_bytes(sender.read_page(1, 4)))
+    assert torch.equal(as_bytes(receiver.read_page(0, 3)), as_bytes(sender.read_page(0, 3)))
+    receiver.scrub([1])
+    assert not as_bytes(receiver.kv[:, :, :, 1]).any() and as_bytes(receiver.kv[:, :, :, 0, :3]).any()
+
+
+def test_float8_is_a_kv_dtype_for_bfloat16_and_float32_models_on_the_cpu_only():
+    """--kv-dtype float8_e4m3fn (or fp8, fp8_e4m3) under --dtype bfloat16 or float32 on a CPU;
+    refused under float16, on CUDA, and as a model's own dtype, each with a message that says
+    what to use."""
+    from isoserve.config import parse_kv_dtype, resolve_dtypes
+
+    for name in ("float8_e4m3fn", "fp8", "fp8_e4m3"):
+        for model in ("bfloat16", "float32"):
+            assert parse_kv_dtype(name, model) == torch.float8_e4m3fn
+            assert resolve_dtypes(model, name) == (model, "float8_e4m3fn")
+    with pytest.raises(ValueError, match="needs a bfloat16 or float32 model"):
+        parse_kv_dtype("fp8", "float16")
+    with pytest.raises(ValueError, match="CPU's kernels only"):
+        parse_kv_dtype("fp8", "bfloat16", "cuda")
+    with pytest.raises(ValueError, match="KV cache dtype"):
+        parse_kv_dtype("auto", "fp8")
+
+
 def test_a_transfer_between_pools_of_different_dtypes_is_refused_before_any_write():
     """The manifest names the sender's pool dtype: a decode worker started with another
     --kv-dtype refuses the bytes (they would be another shape of number), and writes nothing."""

@@ -150,9 +150,12 @@ def test_same_bits_on_any_thread_count_and_for_any_split_into_chunks():
 
 def test_fused_ops_take_the_kernel_only_where_it_applies():
     fused = FusedOps(cpu_ops(), torch.bfloat16)
-    assert fused.amx_prefill_for(64, PAGE) == HAS_AMX and fused.amx_prefill_for(32, 2 * PAGE) == HAS_AMX
-    assert not fused.amx_prefill_for(128, PAGE) and not fused.amx_prefill_for(64, 8)
-    assert not FusedOps(cpu_ops(), torch.float32).amx_prefill_for(64, PAGE)
+    assert fused.amx_prefill_for(64, PAGE, torch.bfloat16) == HAS_AMX and fused.amx_prefill_for(32, 2 * PAGE, torch.bfloat16) == HAS_AMX
+    assert not fused.amx_prefill_for(128, PAGE, torch.bfloat16) and not fused.amx_prefill_for(64, 8, torch.bfloat16)
+    assert not FusedOps(cpu_ops(), torch.float32).amx_prefill_for(64, PAGE, torch.bfloat16)
+    # a float8 pool too (its pages widened first), never a float32 one
+    assert fused.amx_prefill_for(64, PAGE, torch.float8_e4m3fn) == HAS_AMX
+    assert not fused.amx_prefill_for(64, PAGE, torch.float32)
     assert FusedOps(cpu_ops(), torch.float32)._prefill_as_decode  # on AVX2 and AVX-512 builds alike
     assert not fused._prefill_as_decode  # bfloat16 never takes the float32 decode kernel
     q, k, v, attn = _case(CASES["a wave of prompts"], SHAPES[0], seed=4)
@@ -164,6 +167,36 @@ def test_fused_ops_take_the_kernel_only_where_it_applies():
     out = torch.zeros_like(q)
     fused.prefill_attention(q, k, v, attn, SCALE, out)
     assert torch.equal(out, _torch_path(q, k, v, attn))
+
+
+@pytest.mark.parametrize("shape", SHAPES, ids=str)
+@pytest.mark.parametrize("case", CASES, ids=str)
+def test_prefill_over_a_float8_pool_is_prefill_over_a_bfloat16_pool_of_its_values(case, shape):
+    """A float8 pool (--kv-dtype float8_e4m3fn): in bfloat16 the pages the chunks read are
+    widened exactly and go to the AMX kernel (torch's path without AMX), in float32 short
+    chunks go to the decode kernel and long ones to torch's path, and either way each chunk's
+    output is that over a bfloat16 pool holding the same values: to the bit in bfloat16, to
+    float32 rounding in float32 (whose AVX2 kernel may sum in another order). The pool's other
+    slots hold NaN, as in every case here: a read past a chunk's context would show."""
+    f8 = torch.float8_e4m3fn
+    q, k, v, attn = _case(CASES[case], shape, seed=9)
+    k8, v8 = (k.clamp(-448, 448) * 8).to(f8), (v.clamp(-448, 448) * 8).to(f8)
+    k16, v16 = k8.to(torch.bfloat16), v8.to(torch.bfloat16)  # exact: every e4m3 value is a bfloat16
+    for dtype in (torch.bfloat16, torch.float32):
+        fused = FusedOps(cpu_ops(), dtype)
+        assert fused.amx_prefill_for(shape[2], PAGE, f8) == (HAS_AMX and dtype == torch.bfloat16)
+        outs = {}
+        for name, (kc, vc) in {"float8": (k8, v8), "bfloat16": (k16, v16)}.items():
+            outs[name] = torch.full_like(q.to(dtype), 7.0)
+            fused.prefill_attention(q.to(dtype), kc, vc, attn, SCALE, outs[name])
+        rows = _chunk_rows(attn)
+        others = torch.ones(q.shape[0], dtype=torch.bool)
+        others[rows] = False
+        assert torch.all(outs["float8"][others] == 7.0) and not outs["float8"][rows].isnan().any()
+        if dtype == torch.bfloat16:
+            assert torch.equal(outs["float8"], outs["bfloat16"])
+        else:
+            torch.testing.assert_close(outs["float8"], outs["bfloat16"], rtol=1e-5, atol=1e-5)
 
 
 @pytest.mark.parametrize("shape", SHAPES, ids=str)

@@ -9,6 +9,7 @@ import time
 import httpx
 import openai
 import pytest
+import torch
 import zmq
 
 from isoserve import LLM, SamplingParams
@@ -125,6 +126,34 @@ def test_a_bfloat16_kv_cache_under_float32_serves_what_llm_generate_gives(tmp_pa
     prompt_tokens = sum(len(reference.tokenizer.encode(p)) for p in PROMPTS)
     assert slot_bytes == reference.engine.model_config.kv_bytes_per_token(2)
     assert moved == prompt_tokens * slot_bytes
+
+
+def test_a_float8_kv_cache_serves_what_llm_generate_gives(tmp_path, tenants, model):
+    """--kv-dtype fp8, disaggregated: each prompt's KV is written as float8 codes on the prefill
+    worker, crosses as those bytes (one a value: a quarter of a float32 page's) and is read by
+    the decode worker, and every tenant gets what LLM.generate with a float8 pool gives, texts
+    and logprobs. Both workers' logs name the pool's dtype."""
+    reference = LLM(model=model, dtype="float32", kv_dtype="fp8", kv_tokens=4096)
+    assert reference.engine.pool.kv.dtype == torch.float8_e4m3fn
+    with running_server(tmp_path, "--model", model, "--dtype", "float32", "--kv-dtype", "fp8",
+                        "--prefill-kv-tokens", "4096", "--decode-kv-tokens", "4096",
+                        "--tenants", str(tenants[0])) as server:
+        for prompt, name in zip(PROMPTS, ["alice", "bob", "carol", "alice", "bob"]):
+            want = reference.generate(prompt, SamplingParams(max_tokens=24, temperature=0, ignore_eos=True,
+                                                             logprobs=0))[0]
+            r = client(server, tenants[1][name]).completions.create(
+                model=model, prompt=prompt, max_tokens=24, temperature=0, logprobs=0, extra_body={"ignore_eos": True})
+            assert r.choices[0].text == want.text
+            assert r.choices[0].logprobs.token_logprobs == pytest.approx([lp.logprob for lp in want.logprobs], abs=1e-4)
+        metrics = server.metrics()
+        log = server.log()
+    assert log.count("MiB, float8_e4m3fn)") == 2, log  # the prefill and the decode worker's pools
+    assert "KV cache float8_e4m3fn" in log
+    moved = sum(float(line.split()[-1]) for line in metrics.splitlines()
+                if line.startswith("isoserve_kv_transfer_bytes_total"))
+    slot_bytes = reference.engine.pool.slot_bytes
+    assert slot_bytes == reference.engine.model_config.kv_bytes_per_token(1)
+    assert moved == sum(len(reference.tokenizer.encode(p)) for p in PROMPTS) * slot_bytes
 
 
 def test_disaggregated_equals_aggregated_and_llm_generate(tmp_path, disagg, tenants, model, reference):

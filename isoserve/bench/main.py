@@ -10,7 +10,7 @@ from __future__ import annotations
 import argparse
 import os
 
-from isoserve.config import DTYPE_CHOICES
+from isoserve.config import DTYPE_CHOICES, KV_DTYPE_CHOICES
 
 
 def _int_list(text: str) -> list[int]:
@@ -61,7 +61,7 @@ def add_arguments(p: argparse.ArgumentParser) -> None:
     offline.add_argument("--peer-dtype", default="auto", choices=["auto", "bfloat16", "float32"],
                          help="transformers' (offline and prefill modes); auto (default): bfloat16 where the "
                               "CPU computes in it natively, else float32, whatever isoserve runs in")
-    offline.add_argument("--kv-dtype", default="auto", choices=DTYPE_CHOICES,
+    offline.add_argument("--kv-dtype", default="auto", choices=KV_DTYPE_CHOICES,
                          help="isoserve's KV cache (see `isoserve serve --help`; offline, roofline and "
                               "prefill modes); the peers keep theirs in --peer-dtype")
     offline.add_argument("--device", default="cpu",

@@ -12,6 +12,8 @@ import time
 from collections import Counter
 from dataclasses import dataclass, field
 
+import torch
+
 from isoserve.admission import check_prompt_fits, effective_prompt_limit
 from isoserve.config import AutoInputs, EngineConfig, dtype_name, parse_dtype, parse_kv_dtype
 from isoserve.engine.runner import ModelRunner
@@ -102,7 +104,9 @@ class Engine:
     def _ops_summary(self) -> str:
         note = self.model.ops_note
         ops = self.model.ops
-        prefill = ", prefill attention on AMX" if ops.amx_prefill_for(self.model.cfg.head_dim, self.pool.page_size) else ""
+        prefill = ", prefill attention on AMX" if ops.amx_prefill_for(self.model.cfg.head_dim, self.pool.page_size, self.pool.kv.dtype) else ""
+        if self.pool.kv.dtype == torch.float8_e4m3fn and ops.kernels is not None and not ops.kernels.fast_fp8_kv:
+            prefill += ", float8 KV widened without AVX-512 (its attention slower than a bfloat16 pool's)"
         return ops.name + prefill + (f" ({note})" if note else "")
 
     # ---- limits -------------------------------------------------------------------------

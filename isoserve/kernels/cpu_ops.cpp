@@ -25,6 +25,7 @@
 
 #include "bf16x16.h"
 #include "f32x8.h"
+#include "fp8.h"
 #include "page_reads.h"
 
 #if defined(__AVX512BF16__)
@@ -46,6 +47,12 @@ constexpr int64_t kLanes = 16;
 
 template <typename T>
 inline float f32(T v) { return static_cast<float>(v); }
+inline float f32(c10::Float8_e4m3fn v) { return isoserve::e4m3_to_float(v.x); }
+
+// The 8-bit KV pool's dtype (config.parse_kv_dtype).
+using fp8_t = c10::Float8_e4m3fn;
+template <typename KV>
+constexpr bool kIsFp8 = std::is_same_v<KV, fp8_t>;
 
 template <typename T>
 inline float round_to(float v) { return static_cast<float>(static_cast<T>(v)); }
@@ -99,6 +106,15 @@ void check_float_cpu(const torch::Tensor& t, const char* name) {
   TORCH_CHECK(t.device().is_cpu(), name, " must be on the CPU");
   TORCH_CHECK(t.scalar_type() == at::kFloat || t.scalar_type() == at::kBFloat16,
               name, " must be float32 or bfloat16, got ", t.scalar_type());
+  TORCH_CHECK(t.is_contiguous(), name, " must be contiguous");
+}
+
+// A KV cache: the model's dtype, or a narrower one (check_kv_dtype says which pairs).
+void check_kv_cpu(const torch::Tensor& t, const char* name) {
+  TORCH_CHECK(t.device().is_cpu(), name, " must be on the CPU");
+  TORCH_CHECK(t.scalar_type() == at::kFloat || t.scalar_type() == at::kBFloat16 ||
+                  t.scalar_type() == at::kFloat8_e4m3fn,
+              name, " must be float32, bfloat16 or float8_e4m3fn, got ", t.scalar_type());
   TORCH_CHECK(t.is_contiguous(), name, " must be contiguous");
 }
 
@@ -255,7 +271,8 @@ torch::Tensor silu_mul(const torch::Tensor& gate_up) {
 // The pool dtypes a model dtype reads and writes: its own, and bfloat16 under float32 (half the
 // bytes a decode step reads, twice the tokens a pool holds; config.parse_kv_dtype).
 void check_kv_dtype(at::ScalarType model, at::ScalarType kv) {
-  TORCH_CHECK(kv == model || (model == at::kFloat && kv == at::kBFloat16),
+  const bool fp8 = kv == at::kFloat8_e4m3fn && (model == at::kFloat || model == at::kBFloat16);
+  TORCH_CHECK(kv == model || (model == at::kFloat && kv == at::kBFloat16) || fp8,
               "a ", c10::toString(model), " model cannot use a ", c10::toString(kv), " KV pool");
 }
 
@@ -265,6 +282,14 @@ void check_kv_dtype(at::ScalarType model, at::ScalarType kv) {
   if ((model) == at::kFloat && (kv) == at::kBFloat16) {                 \
     using scalar_t = float;                                             \
     using kv_t = c10::BFloat16;                                         \
+    __VA_ARGS__();                                                      \
+  } else if ((model) == at::kFloat && (kv) == at::kFloat8_e4m3fn) {     \
+    using scalar_t = float;                                             \
+    using kv_t = fp8_t;                                                 \
+    __VA_ARGS__();                                                      \
+  } else if ((kv) == at::kFloat8_e4m3fn) {                              \
+    using scalar_t = c10::BFloat16;                                     \
+    using kv_t = fp8_t;                                                 \
     __VA_ARGS__();                                                      \
   } else {                                                              \
     ISOSERVE_DISPATCH(model, [&] {                                      \
@@ -303,8 +328,31 @@ inline void rotate(const T* x, const T* c, const T* s, T* out, int64_t dim) {
     out[d] = static_cast<T>(round_to<T>(f32(x[d]) * f32(c[d])) + round_to<T>(f32(x[d - half]) * f32(s[d])));
 }
 
-// The pool's dtype KV may be narrower than the model's T (bfloat16 under float32): K is
-// rotated in T, then each element rounded to KV (to nearest even, as torch's .to() does).
+// n values of T (float32 or bfloat16) as float8 codes, 16 at a time (fp8.h), rounded as
+// torch's .to() rounds.
+template <typename T>
+inline void store_fp8(const T* x, fp8_t* out, int64_t n) {
+  auto* codes = reinterpret_cast<uint8_t*>(out);
+  int64_t i = 0;
+  for (; i + 16 <= n; i += 16) {
+    isoserve::fp8_floats v;
+    if constexpr (std::is_same_v<T, float>) {
+      std::memcpy(&v, x + i, sizeof v);
+    } else {
+#if ISOSERVE_BF16X16
+      v = reinterpret_cast<isoserve::fp8_floats>(isoserve::load_bf16x16(x + i));
+#else
+      for (int j = 0; j < 16; ++j) v[j] = f32(x[i + j]);
+#endif
+    }
+    isoserve::floats_to_e4m3(v, codes + i);
+  }
+  for (; i < n; ++i) codes[i] = isoserve::float_to_e4m3(f32(x[i]));
+}
+
+// The pool's dtype KV may be narrower than the model's T (bfloat16 or float8 under float32,
+// float8 under bfloat16): K is rotated in T, then each element rounded to KV (to nearest
+// even, as torch's .to() does).
 template <typename T, typename KV>
 void rotary_rows(const T* qkv, const T* cos, const T* sin, const int64_t* slot, T* q, KV* kc, KV* vc,
                  int64_t tokens, int64_t heads, int64_t kv_heads, int64_t dim, int64_t cache_slots) {
@@ -323,6 +371,10 @@ void rotary_rows(const T* qkv, const T* cos, const T* sin, const int64_t* slot, 
         if constexpr (std::is_same_v<T, KV>) {
           rotate(row + (heads + h) * dim, c, s, key, dim);
           std::copy_n(v, dim, value);
+        } else if constexpr (kIsFp8<KV>) {
+          rotate(row + (heads + h) * dim, c, s, rotated.data(), dim);
+          store_fp8(rotated.data(), key, dim);
+          store_fp8(v, value, dim);
         } else {
           rotate(row + (heads + h) * dim, c, s, rotated.data(), dim);
           for (int64_t d = 0; d < dim; ++d) key[d] = static_cast<KV>(f32(rotated[d])), value[d] = static_cast<KV>(f32(v[d]));
@@ -338,8 +390,8 @@ torch::Tensor rotary_store(const torch::Tensor& qkv, const torch::Tensor& cos, c
   check_float_cpu(qkv, "qkv");
   check_float_cpu(cos, "cos");
   check_float_cpu(sin, "sin");
-  check_float_cpu(k_cache, "k_cache");
-  check_float_cpu(v_cache, "v_cache");
+  check_kv_cpu(k_cache, "k_cache");
+  check_kv_cpu(v_cache, "v_cache");
   check_index(slots, "slots");
   TORCH_CHECK(k_cache.dim() == 4 && v_cache.sizes() == k_cache.sizes(),
               "caches must be [kv_heads, pages, page_size, head_dim]");
@@ -396,6 +448,11 @@ inline vfloat16 load16(const c10::BFloat16* p) {
   return reinterpret_cast<vfloat16>(__builtin_convertvector(h, vword16) << 16);
 }
 
+// float8 codes (fp8.h).
+inline vfloat16 load16(const fp8_t* p) {
+  return isoserve::e4m3_to_floats(reinterpret_cast<const uint8_t*>(p));
+}
+
 // The first n (< 16) elements, zeros after: a head_dim that is no multiple of 16 ends in one.
 template <typename T>
 inline vfloat16 load_partial16(const T* p, int64_t n) {
@@ -444,9 +501,17 @@ constexpr bool kHaveBf16Dot = true;
 inline __m512bh load_bf16_pairs(const c10::BFloat16* p) {
   return reinterpret_cast<__m512bh>(_mm512_loadu_si512(p));
 }
+// A float8 pool's 32 codes as the same bfloat16 pairs (exactly: fp8.h).
+inline __m512bh load_bf16_pairs(const fp8_t* p) {
+  return reinterpret_cast<__m512bh>(isoserve::e4m3_to_bf16x32(reinterpret_cast<const uint8_t*>(p)));
+}
 #else
 constexpr bool kHaveBf16Dot = false;
 #endif
+
+// Pools the bfloat16 dot product reads: bfloat16, and float8 widened to it (fp8.h, AVX-512).
+template <typename KV>
+constexpr bool kDotKV = std::is_same_v<KV, c10::BFloat16> || (kIsFp8<KV> && ISOSERVE_FP8_AVX512);
 
 // Cache lines [share * per, (share + 1) * per) of a page `lines` long, into L1 (Locality 3) or
 // L2 (1).
@@ -456,9 +521,23 @@ inline void prefetch_share(const void* page, int64_t share, int64_t per, int64_t
   for (int64_t l = share * per; l < std::min((share + 1) * per, lines); ++l) __builtin_prefetch(p + l * 64, 0, Locality);
 }
 
-// Values in pairs of dims (the loop below): a bfloat16 pool with a fixed, even number of chunks.
+// Values in pairs of dims (the loop below): a bfloat16 pool with a fixed, even number of chunks,
+// or a float8 one where its codes widen to bfloat16 32 at a time (AVX-512).
 template <typename KV, int C>
-constexpr bool kPairedValues = std::is_same_v<KV, c10::BFloat16> && C > 0 && C % 2 == 0;
+constexpr bool kPairedValues = (std::is_same_v<KV, c10::BFloat16> || (kIsFp8<KV> && ISOSERVE_FP8_AVX512)) &&
+                               C > 0 && C % 2 == 0;
+
+// 32 values of a pool row as 16 words of bfloat16 pairs (kPairedValues pools only).
+inline vword16 bf16_words(const c10::BFloat16* p) {
+  vword16 words;
+  std::memcpy(&words, p, sizeof words);
+  return words;
+}
+#if ISOSERVE_FP8_AVX512
+inline vword16 bf16_words(const fp8_t* p) {
+  return reinterpret_cast<vword16>(isoserve::e4m3_to_bf16x32(reinterpret_cast<const uint8_t*>(p)));
+}
+#endif
 
 // One (sequence, KV head) task. C and G, when not 0, fix the number of 16-float chunks in a head
 // and the query heads per KV head at compile time: the loops over them unroll and the query and
@@ -525,7 +604,7 @@ void attend(const T* q, const KV* kc, const KV* vc, const int64_t* pages, const 
         if (++slot == page_size) slot = 0, ++page;
 #if defined(__AVX512BF16__)
         if constexpr (DOT) {
-          static_assert(std::is_same_v<T, c10::BFloat16> && std::is_same_v<KV, T> && C % 2 == 0 && C > 0);
+          static_assert(std::is_same_v<T, c10::BFloat16> && kDotKV<KV> && C % 2 == 0 && C > 0);
           for (int64_t p = 0; p < C / 2; ++p) {
             const __m512bh k = load_bf16_pairs(key + p * 2 * kBlock);
             for (int64_t g = 0; g < G; ++g) {
@@ -582,8 +661,7 @@ void attend(const T* q, const KV* kc, const KV* vc, const int64_t* pages, const 
         const KV* values = v_head + table[p] * page_stride;
         for (int64_t s = 0; s < n; ++s)
           for (int64_t c = 0; c < C / 2; ++c) {
-            vword16 words;
-            std::memcpy(&words, values + s * dim + c * 2 * kBlock, sizeof words);
+            const vword16 words = bf16_words(values + s * dim + c * 2 * kBlock);
             const vfloat16 even = reinterpret_cast<vfloat16>(words << 16);
             const vfloat16 odd = reinterpret_cast<vfloat16>(words & 0xFFFF0000u);
             for (int64_t g = 0; g < G; ++g) {
@@ -639,7 +717,7 @@ void decode_attention_impl(const T* q, const KV* kc, const KV* vc, const int64_t
     if (vector_decode_attention(q, kc, vc, pages, lens, out, batch, heads, kv_heads, num_pages, page_size, dim,
                                 width, scale))
       return;
-  } else if constexpr (std::is_same_v<T, float>) {
+  } else if constexpr (std::is_same_v<T, float> && std::is_same_v<KV, c10::BFloat16>) {
     if (vector_decode_attention(q, reinterpret_cast<const uint16_t*>(kc), reinterpret_cast<const uint16_t*>(vc),
                                 pages, lens, out, batch, heads, kv_heads, num_pages, page_size, dim, width, scale))
       return;
@@ -650,7 +728,7 @@ void decode_attention_impl(const T* q, const KV* kc, const KV* vc, const int64_t
     // In bfloat16 it scores by the dot-product instruction where the CPU has one (unless the
     // caller asks for the float32 path): 20-27% faster with the KV in cache, ~5% at batch 32
     // of the default model, where reading the KV from memory bounds the kernel.
-    constexpr bool dot = std::is_same_v<T, c10::BFloat16> && kHaveBf16Dot;
+    constexpr bool dot = std::is_same_v<T, c10::BFloat16> && kDotKV<KV> && kHaveBf16Dot;
     if (dot && bf16_dot && dim == 64 && group == 3)
       attend<T, KV, 4, 3, dot>(q, kc, vc, pages, lens, out, heads, kv_heads, num_pages, page_size, dim, width, scale, begin, end);
     else if (dim == 64 && group == 3)
@@ -664,8 +742,8 @@ torch::Tensor decode_attention(const torch::Tensor& q, const torch::Tensor& k_ca
                                const torch::Tensor& v_cache, const torch::Tensor& pages,
                                const torch::Tensor& lens, double scale, bool bf16_dot) {
   check_float_cpu(q, "q");
-  check_float_cpu(k_cache, "k_cache");
-  check_float_cpu(v_cache, "v_cache");
+  check_kv_cpu(k_cache, "k_cache");
+  check_kv_cpu(v_cache, "v_cache");
   check_index(pages, "pages");
   check_index(lens, "lens");
   TORCH_CHECK(q.dim() == 3, "q must be [batch, heads, head_dim]");
@@ -690,6 +768,44 @@ torch::Tensor decode_attention(const torch::Tensor& q, const torch::Tensor& k_ca
                                          v_cache.data_ptr<kv_t>(), table, len, out.data_ptr<scalar_t>(),
                                          batch, heads, kv_heads, num_pages, page_size, dim, width,
                                          static_cast<float>(scale), bf16_dot);
+  });
+  return out;
+}
+
+// ---- A float8 pool's pages as bfloat16 ----------------------------------------------------------
+// cache [kv_heads, pages, page_size, dim] of float8 codes -> [kv_heads, len(pages), page_size,
+// dim] bfloat16 holding the same values (every e4m3 value is a bfloat16): the pages a step's
+// prefill chunks read, for the AMX prefill kernel, which takes bfloat16 tiles. torch's own
+// conversion took ~2.2 ns an element here, 90 ms of a 32-prompt prefill step; this ~0.1.
+
+torch::Tensor fp8_pages_to_bf16(const torch::Tensor& cache, const torch::Tensor& pages) {
+  TORCH_CHECK(cache.device().is_cpu() && cache.scalar_type() == at::kFloat8_e4m3fn && cache.is_contiguous() &&
+                  cache.dim() == 4,
+              "cache must be a contiguous float8_e4m3fn CPU tensor [kv_heads, pages, page_size, head_dim]");
+  check_index(pages, "pages");
+  const int64_t heads = cache.size(0), num_pages = cache.size(1), page_elems = cache.size(2) * cache.size(3);
+  const int64_t n = pages.numel();
+  const int64_t* page = pages.data_ptr<int64_t>();
+  for (int64_t i = 0; i < n; ++i)
+    TORCH_CHECK(page[i] >= 0 && page[i] < num_pages, "page ", page[i], " is outside the pool");
+  auto out = torch::empty({heads, n, cache.size(2), cache.size(3)}, cache.options().dtype(at::kBFloat16));
+  const auto* codes = reinterpret_cast<const uint8_t*>(cache.data_ptr());
+  auto* words = reinterpret_cast<uint16_t*>(out.data_ptr<at::BFloat16>());
+  at::parallel_for(0, heads * n, 8, [&](int64_t begin, int64_t end) {
+    for (int64_t task = begin; task < end; ++task) {
+      const uint8_t* from = codes + ((task / n) * num_pages + page[task % n]) * page_elems;
+      uint16_t* to = words + task * page_elems;
+      int64_t i = 0;
+#if ISOSERVE_FP8_AVX512
+      for (; i + 32 <= page_elems; i += 32) _mm512_storeu_si512(to + i, isoserve::e4m3_to_bf16x32(from + i));
+#endif
+      for (; i < page_elems; ++i) {
+        const float v = isoserve::e4m3_to_float(from[i]);
+        uint32_t bits;
+        std::memcpy(&bits, &v, sizeof bits);
+        to[i] = static_cast<uint16_t>(bits >> 16);  // exact: the value has at most 4 significant bits
+      }
+    }
   });
   return out;
 }
@@ -864,6 +980,11 @@ PYBIND11_MODULE(TORCH_EXTENSION_NAME, m) {
         py::arg("q"), py::arg("k_cache"), py::arg("v_cache"), py::arg("pages"), py::arg("lens"),
         py::arg("scale"), py::arg("bf16_dot") = true);
   m.attr("has_bf16_dot") = kHaveBf16Dot;
+  // Whether a float8 pool's codes widen on AVX-512 (fp8.h); elsewhere its attention runs ~2.5x
+  // a bfloat16 pool's time (AVX2, float32 model, batch 32).
+  m.attr("fast_fp8_kv") = static_cast<bool>(ISOSERVE_FP8_AVX512);
+  m.def("fp8_pages_to_bf16", &fp8_pages_to_bf16, "pages of a float8 KV cache as bfloat16, exactly",
+        py::arg("cache"), py::arg("pages"));
 #if ISOSERVE_F32X8
   m.attr("has_f32x8") = true;  // float32 kernels of their own on AVX2 (f32x8.h)
 #else

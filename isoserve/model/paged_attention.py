@@ -19,7 +19,7 @@ from typing import Callable, NamedTuple
 import torch
 import torch.nn.functional as F
 
-from isoserve.kv.pool import page_tables
+from isoserve.kv.pool import NO_PAGE, page_tables
 
 
 @dataclass
@@ -48,6 +48,7 @@ class StepAttention:
     _decode_bias: torch.Tensor | None = field(default=None, repr=False)
     _prefill_tables: tuple[torch.Tensor, torch.Tensor] | None = field(default=None, repr=False)
     _prefill_queries: dict[int, PrefillQueries] = field(default_factory=dict, repr=False)
+    _prefill_pages: tuple[torch.Tensor, torch.Tensor] | None = field(default=None, repr=False)
 
     def decode_bias(self, page_size: int) -> torch.Tensor:
         """[Bd, M*page_size] float: 0 for real keys, -inf for padding; built once per step."""
@@ -67,6 +68,19 @@ class StepAttention:
             tables = [c.pages.tolist() for c in self.prefills]
             self._prefill_tables = chunks, page_tables(tables, max(map(len, tables), default=1))
         return self._prefill_tables
+
+    def prefill_pages(self) -> tuple[torch.Tensor, torch.Tensor]:
+        """(the distinct pool pages the prefill chunks read, ascending; prefill_tables()'s page
+        tables with each id replaced by its index in that list, NO_PAGE kept): for a copy of
+        just those pages in another dtype. Built once per step."""
+        if self._prefill_pages is None:
+            _, tables = self.prefill_tables()
+            real = tables != NO_PAGE
+            used, index = torch.unique(tables[real], return_inverse=True)
+            local = torch.full_like(tables, NO_PAGE)
+            local[real] = index
+            self._prefill_pages = used, local
+        return self._prefill_pages
 
     def prefill_queries(self, max_context: int) -> PrefillQueries:
         """The prefill chunks of at most `max_context` keys as single-token queries, each over
@@ -96,8 +110,11 @@ def write_kv(k_cache: torch.Tensor, v_cache: torch.Tensor, k: torch.Tensor, v: t
     """k, v: [T, kv_heads, head_dim] into their slots, rounded to the pool's dtype where it is
     narrower than the model's (config.parse_kv_dtype)."""
     heads, dim = k_cache.shape[0], k_cache.shape[-1]
-    k_cache.view(heads, -1, dim).index_copy_(1, slots, k.transpose(0, 1).to(k_cache.dtype))
-    v_cache.view(heads, -1, dim).index_copy_(1, slots, v.transpose(0, 1).to(v_cache.dtype))
+    for cache, x in ((k_cache, k), (v_cache, v)):
+        rows = x.transpose(0, 1).to(cache.dtype)
+        if cache.element_size() == 1:  # torch has no index_copy_ for float8: copy its bytes
+            cache, rows = cache.view(torch.uint8), rows.view(torch.uint8)
+        cache.view(heads, -1, dim).index_copy_(1, slots, rows)
 
 
 def paged_attention(q: torch.Tensor, k_cache: torch.Tensor, v_cache: torch.Tensor, attn: StepAttention,
