@@ -501,10 +501,6 @@ constexpr bool kHaveBf16Dot = true;
 inline __m512bh load_bf16_pairs(const c10::BFloat16* p) {
   return reinterpret_cast<__m512bh>(_mm512_loadu_si512(p));
 }
-// A float8 pool's 32 codes as the same bfloat16 pairs (exactly: fp8.h).
-inline __m512bh load_bf16_pairs(const fp8_t* p) {
-  return reinterpret_cast<__m512bh>(isoserve::e4m3_to_bf16x32(reinterpret_cast<const uint8_t*>(p)));
-}
 #else
 constexpr bool kHaveBf16Dot = false;
 #endif
@@ -538,6 +534,24 @@ inline vword16 bf16_words(const fp8_t* p) {
   return reinterpret_cast<vword16>(isoserve::e4m3_to_bf16x32(reinterpret_cast<const uint8_t*>(p)));
 }
 #endif
+
+// The first 32 N values of a pool row as N vectors of bfloat16 pairs (kPairedValues and kDotKV
+// pools): a float8 row 64 codes at a time where the CPU has AVX512-VBMI (fp8.h).
+template <int N, typename KV>
+inline void bf16_row(const KV* p, vword16* words) {
+#if ISOSERVE_FP8_VBMI
+  if constexpr (kIsFp8<KV> && N % 2 == 0) {
+    for (int i = 0; i < N; i += 2) {
+      __m512i first, second;
+      isoserve::e4m3_to_bf16x64(reinterpret_cast<const uint8_t*>(p + 32 * i), first, second);
+      words[i] = reinterpret_cast<vword16>(first);
+      words[i + 1] = reinterpret_cast<vword16>(second);
+    }
+    return;
+  }
+#endif
+  for (int i = 0; i < N; ++i) words[i] = bf16_words(p + 32 * i);
+}
 
 // One (sequence, KV head) task. C and G, when not 0, fix the number of 16-float chunks in a head
 // and the query heads per KV head at compile time: the loops over them unroll and the query and
@@ -605,8 +619,10 @@ void attend(const T* q, const KV* kc, const KV* vc, const int64_t* pages, const 
 #if defined(__AVX512BF16__)
         if constexpr (DOT) {
           static_assert(std::is_same_v<T, c10::BFloat16> && kDotKV<KV> && C % 2 == 0 && C > 0);
+          vword16 pairs[C / 2];
+          bf16_row<C / 2>(key, pairs);
           for (int64_t p = 0; p < C / 2; ++p) {
-            const __m512bh k = load_bf16_pairs(key + p * 2 * kBlock);
+            const __m512bh k = reinterpret_cast<__m512bh>(pairs[p]);
             for (int64_t g = 0; g < G; ++g) {
               const __m512 sum = p ? reinterpret_cast<__m512>(parts[g * kBlock + s]) : _mm512_setzero_ps();
               parts[g * kBlock + s] = reinterpret_cast<vfloat16>(_mm512_dpbf16_ps(sum, q_pairs[g * C / 2 + p], k));
@@ -659,9 +675,11 @@ void attend(const T* q, const KV* kc, const KV* vc, const int64_t* pages, const 
       for (int64_t start = 0, p = 0; start < len; start += page_size, ++p) {
         const int64_t n = std::min(page_size, len - start);
         const KV* values = v_head + table[p] * page_stride;
-        for (int64_t s = 0; s < n; ++s)
+        for (int64_t s = 0; s < n; ++s) {
+          vword16 row[C / 2];
+          bf16_row<C / 2>(values + s * dim, row);
           for (int64_t c = 0; c < C / 2; ++c) {
-            const vword16 words = bf16_words(values + s * dim + c * 2 * kBlock);
+            const vword16 words = row[c];
             const vfloat16 even = reinterpret_cast<vfloat16>(words << 16);
             const vfloat16 odd = reinterpret_cast<vfloat16>(words & 0xFFFF0000u);
             for (int64_t g = 0; g < G; ++g) {
@@ -670,6 +688,7 @@ void attend(const T* q, const KV* kc, const KV* vc, const int64_t* pages, const 
               acc[g * C + 2 * c + 1] += weight * odd;
             }
           }
+        }
       }
       T* o = out + (b * heads + h * group) * dim;
       for (int64_t g = 0; g < G; ++g)
@@ -796,6 +815,14 @@ torch::Tensor fp8_pages_to_bf16(const torch::Tensor& cache, const torch::Tensor&
       const uint8_t* from = codes + ((task / n) * num_pages + page[task % n]) * page_elems;
       uint16_t* to = words + task * page_elems;
       int64_t i = 0;
+#if ISOSERVE_FP8_VBMI
+      for (; i + 64 <= page_elems; i += 64) {
+        __m512i first, second;
+        isoserve::e4m3_to_bf16x64(from + i, first, second);
+        _mm512_storeu_si512(to + i, first);
+        _mm512_storeu_si512(to + i + 32, second);
+      }
+#endif
 #if ISOSERVE_FP8_AVX512
       for (; i + 32 <= page_elems; i += 32) _mm512_storeu_si512(to + i, isoserve::e4m3_to_bf16x32(from + i));
 #endif
