@@ -115,8 +115,10 @@ class FusedOps:
             if k_cache.dtype == torch.float8_e4m3fn:
                 # The pages the chunks read (the read guard passed their tables), widened exactly to
                 # bfloat16 in a pool of their own: the same scores a bfloat16 pool holding these
-                # values gives. 32 x 100-token prompts: ~0.1 ms a layer to widen; the decode
-                # kernel on the float8 pool instead took the whole step 30% longer.
+                # values gives. Whole pages, so a last page's slots past its chunk's context come
+                # along; the kernel reads no key past a context there either (amx_attention.cpp).
+                # 32 x 100-token prompts: ~0.1 ms a layer to widen; the decode kernel on the
+                # float8 pool instead took the whole step 30% longer.
                 used, pages = attn.prefill_pages()
                 k_cache = self.kernels.fp8_pages_to_bf16(k_cache, used)
                 v_cache = self.kernels.fp8_pages_to_bf16(v_cache, used)
