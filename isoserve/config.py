@@ -73,8 +73,8 @@ def parse_dtype(name: str | torch.dtype, device: str = "cpu", auto: AutoInputs =
 
     if isinstance(name, torch.dtype):
         return name
-    if name in FP8_NAMES:
-        return torch.float8_e4m3fn
+    if name in FP8_NAMES:  # parse_kv_dtype takes these
+        raise ValueError("float8 is a KV cache dtype (--kv-dtype); a model runs in bfloat16 or float32")
     if name == "auto":
         if not native_bfloat16(device):
             return torch.float32
@@ -115,12 +115,10 @@ def parse_kv_dtype(name: str | torch.dtype, dtype: str | torch.dtype, device: st
     import torch
 
     model = parse_dtype(dtype, device, auto)
-    if model == torch.float8_e4m3fn:
-        raise ValueError("float8 is a KV cache dtype (--kv-dtype); a model runs in bfloat16 or float32")
     if name == "auto":
         fell_back = dtype == "auto" and model == torch.float32 and torch.device(device).type == "cpu"
         return torch.bfloat16 if fell_back else model
-    kv = parse_dtype(name)
+    kv = torch.float8_e4m3fn if name in FP8_NAMES else parse_dtype(name)
     if kv == torch.float8_e4m3fn:
         if torch.device(device).type != "cpu":
             raise ValueError(f"a float8 KV cache runs on the CPU's kernels only, not on {device}: "

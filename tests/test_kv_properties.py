@@ -193,30 +193,22 @@ def test_pool_capacity_is_whole_pages_read_from_the_tensor(page_size, tokens):
     assert pool.nbytes == num_pages * KVPool.page_bytes(CONFIG, page_size, torch.float32)
 
 
+@pytest.mark.parametrize("wide, narrow, value_bytes", [(torch.float32, torch.bfloat16, 2),
+                                                        (torch.bfloat16, torch.float8_e4m3fn, 1)],
+                         ids=["bfloat16 under float32", "float8 against bfloat16"])
 @given(page_size=st.integers(1, 64), budget=st.integers(1, 2_000_000))
-def test_a_bfloat16_pool_holds_twice_the_tokens_of_a_memory_budget(page_size, budget):
-    """--kv-dtype bfloat16 under a float32 model: a budget in bytes buys whole pages of the
-    narrower slots, twice as many (give or take the page the float32 division rounds off)."""
-    wide = KVPool.pages_for(CONFIG, page_size, torch.float32, kv_memory_bytes=budget)
-    narrow = KVPool.pages_for(CONFIG, page_size, torch.bfloat16, kv_memory_bytes=budget)
-    assert narrow in (2 * wide, 2 * wide + 1)
-    assert narrow * KVPool.page_bytes(CONFIG, page_size, torch.bfloat16) <= budget
-    if narrow:
-        pool = KVPool(CONFIG, narrow, page_size, torch.bfloat16, "meta")
-        assert pool.slot_bytes == CONFIG.kv_bytes_per_token(2) and pool.nbytes <= budget
-
-
-@given(page_size=st.integers(1, 64), budget=st.integers(1, 2_000_000))
-def test_a_float8_pool_holds_twice_the_tokens_of_a_bfloat16_one(page_size, budget):
-    """--kv-dtype float8_e4m3fn: one byte an element, so a budget buys twice bfloat16's pages
-    (give or take the page the division rounds off), and a pool's slot is one byte a value."""
-    half = KVPool.pages_for(CONFIG, page_size, torch.bfloat16, kv_memory_bytes=budget)
-    byte = KVPool.pages_for(CONFIG, page_size, torch.float8_e4m3fn, kv_memory_bytes=budget)
-    assert byte in (2 * half, 2 * half + 1)
-    assert byte * KVPool.page_bytes(CONFIG, page_size, torch.float8_e4m3fn) <= budget
-    if byte:
-        pool = KVPool(CONFIG, byte, page_size, torch.float8_e4m3fn, "meta")
-        assert pool.slot_bytes == CONFIG.kv_bytes_per_token(1) and pool.nbytes <= budget
+def test_a_pool_of_half_the_bytes_holds_twice_the_tokens_of_a_memory_budget(wide, narrow, value_bytes,
+                                                                           page_size, budget):
+    """--kv-dtype bfloat16 under a float32 model, and float8_e4m3fn against bfloat16: a budget
+    in bytes buys whole pages of the narrower slots, twice as many (give or take the page the
+    wider division rounds off), and a slot holds `value_bytes` a value."""
+    wide_pages = KVPool.pages_for(CONFIG, page_size, wide, kv_memory_bytes=budget)
+    narrow_pages = KVPool.pages_for(CONFIG, page_size, narrow, kv_memory_bytes=budget)
+    assert narrow_pages in (2 * wide_pages, 2 * wide_pages + 1)
+    assert narrow_pages * KVPool.page_bytes(CONFIG, page_size, narrow) <= budget
+    if narrow_pages:
+        pool = KVPool(CONFIG, narrow_pages, page_size, narrow, "meta")
+        assert pool.slot_bytes == CONFIG.kv_bytes_per_token(value_bytes) and pool.nbytes <= budget
 
 
 def test_a_float8_pool_moves_its_bytes_whole_and_scrubs_to_zero():

@@ -100,13 +100,18 @@ def test_openai_client_completions_chat_stream_and_logprobs(disagg, tenants, mod
     assert "".join(ch.choices[0].delta.content or "" for ch in chunks if ch.choices) == want.text
 
 
-def test_a_bfloat16_kv_cache_under_float32_serves_what_llm_generate_gives(tmp_path, tenants, model):
-    """--dtype float32 --kv-dtype bfloat16, disaggregated: each prompt's KV crosses from the
-    prefill worker's bfloat16 pool to the decode worker's, and every tenant gets what
-    LLM.generate with a bfloat16 pool gives, texts and logprobs. Each worker's log names its
-    pool's dtype, and the transfers moved bfloat16 pages (half a float32 page's bytes)."""
-    reference = LLM(model=model, dtype="float32", kv_dtype="bfloat16", kv_tokens=4096)
-    with running_server(tmp_path, "--model", model, "--dtype", "float32", "--kv-dtype", "bfloat16",
+@pytest.mark.parametrize("kv_dtype, pool_dtype, value_bytes", [("bfloat16", "bfloat16", 2),
+                                                                 ("fp8", "float8_e4m3fn", 1)])
+def test_a_narrow_kv_cache_under_float32_serves_what_llm_generate_gives(tmp_path, tenants, model, kv_dtype,
+                                                                        pool_dtype, value_bytes):
+    """--dtype float32 with --kv-dtype bfloat16 or fp8, disaggregated: each prompt's KV is
+    written in the pool's dtype on the prefill worker, crosses as those bytes (half or a quarter
+    of a float32 page's) and is read by the decode worker, and every tenant gets what
+    LLM.generate with such a pool gives, texts and logprobs. Each worker's log names its pool's
+    dtype, and the transfers moved the prompt tokens' slots in it."""
+    reference = LLM(model=model, dtype="float32", kv_dtype=kv_dtype, kv_tokens=4096)
+    assert reference.engine.pool.kv.dtype == getattr(torch, pool_dtype)
+    with running_server(tmp_path, "--model", model, "--dtype", "float32", "--kv-dtype", kv_dtype,
                         "--prefill-kv-tokens", "4096", "--decode-kv-tokens", "4096",
                         "--tenants", str(tenants[0])) as server:
         for prompt, name in zip(PROMPTS, ["alice", "bob", "carol", "alice", "bob"]):
@@ -118,42 +123,14 @@ def test_a_bfloat16_kv_cache_under_float32_serves_what_llm_generate_gives(tmp_pa
             assert r.choices[0].logprobs.token_logprobs == pytest.approx([lp.logprob for lp in want.logprobs], abs=1e-4)
         metrics = server.metrics()
         log = server.log()
-    assert log.count("MiB, bfloat16)") == 2, log  # the prefill and the decode worker's pools
-    assert "KV cache bfloat16" in log
+    assert log.count(f"MiB, {pool_dtype})") == 2, log  # the prefill and the decode worker's pools
+    assert f"KV cache {pool_dtype}" in log
     moved = sum(float(line.split()[-1]) for line in metrics.splitlines()
                 if line.startswith("isoserve_kv_transfer_bytes_total"))
     slot_bytes = reference.engine.pool.slot_bytes
     prompt_tokens = sum(len(reference.tokenizer.encode(p)) for p in PROMPTS)
-    assert slot_bytes == reference.engine.model_config.kv_bytes_per_token(2)
+    assert slot_bytes == reference.engine.model_config.kv_bytes_per_token(value_bytes)
     assert moved == prompt_tokens * slot_bytes
-
-
-def test_a_float8_kv_cache_serves_what_llm_generate_gives(tmp_path, tenants, model):
-    """--kv-dtype fp8, disaggregated: each prompt's KV is written as float8 codes on the prefill
-    worker, crosses as those bytes (one a value: a quarter of a float32 page's) and is read by
-    the decode worker, and every tenant gets what LLM.generate with a float8 pool gives, texts
-    and logprobs. Both workers' logs name the pool's dtype."""
-    reference = LLM(model=model, dtype="float32", kv_dtype="fp8", kv_tokens=4096)
-    assert reference.engine.pool.kv.dtype == torch.float8_e4m3fn
-    with running_server(tmp_path, "--model", model, "--dtype", "float32", "--kv-dtype", "fp8",
-                        "--prefill-kv-tokens", "4096", "--decode-kv-tokens", "4096",
-                        "--tenants", str(tenants[0])) as server:
-        for prompt, name in zip(PROMPTS, ["alice", "bob", "carol", "alice", "bob"]):
-            want = reference.generate(prompt, SamplingParams(max_tokens=24, temperature=0, ignore_eos=True,
-                                                             logprobs=0))[0]
-            r = client(server, tenants[1][name]).completions.create(
-                model=model, prompt=prompt, max_tokens=24, temperature=0, logprobs=0, extra_body={"ignore_eos": True})
-            assert r.choices[0].text == want.text
-            assert r.choices[0].logprobs.token_logprobs == pytest.approx([lp.logprob for lp in want.logprobs], abs=1e-4)
-        metrics = server.metrics()
-        log = server.log()
-    assert log.count("MiB, float8_e4m3fn)") == 2, log  # the prefill and the decode worker's pools
-    assert "KV cache float8_e4m3fn" in log
-    moved = sum(float(line.split()[-1]) for line in metrics.splitlines()
-                if line.startswith("isoserve_kv_transfer_bytes_total"))
-    slot_bytes = reference.engine.pool.slot_bytes
-    assert slot_bytes == reference.engine.model_config.kv_bytes_per_token(1)
-    assert moved == sum(len(reference.tokenizer.encode(p)) for p in PROMPTS) * slot_bytes
 
 
 def test_disaggregated_equals_aggregated_and_llm_generate(tmp_path, disagg, tenants, model, reference):

@@ -283,14 +283,11 @@ void check_kv_dtype(at::ScalarType model, at::ScalarType kv) {
     using scalar_t = float;                                             \
     using kv_t = c10::BFloat16;                                         \
     __VA_ARGS__();                                                      \
-  } else if ((model) == at::kFloat && (kv) == at::kFloat8_e4m3fn) {     \
-    using scalar_t = float;                                             \
-    using kv_t = fp8_t;                                                 \
-    __VA_ARGS__();                                                      \
   } else if ((kv) == at::kFloat8_e4m3fn) {                              \
-    using scalar_t = c10::BFloat16;                                     \
-    using kv_t = fp8_t;                                                 \
-    __VA_ARGS__();                                                      \
+    ISOSERVE_DISPATCH(model, [&] {                                      \
+      using kv_t = fp8_t;                                               \
+      __VA_ARGS__();                                                    \
+    });                                                                 \
   } else {                                                              \
     ISOSERVE_DISPATCH(model, [&] {                                      \
       using kv_t = scalar_t;                                            \
@@ -505,9 +502,10 @@ inline __m512bh load_bf16_pairs(const c10::BFloat16* p) {
 constexpr bool kHaveBf16Dot = false;
 #endif
 
-// Pools the bfloat16 dot product reads: bfloat16, and float8 widened to it (fp8.h, AVX-512).
+// Pools whose rows come as bfloat16 pairs, for the dot product and the paired values below:
+// bfloat16, and float8 widened to it 32 codes at a time (fp8.h, AVX-512).
 template <typename KV>
-constexpr bool kDotKV = std::is_same_v<KV, c10::BFloat16> || (kIsFp8<KV> && ISOSERVE_FP8_AVX512);
+constexpr bool kBf16PairsKV = std::is_same_v<KV, c10::BFloat16> || (kIsFp8<KV> && ISOSERVE_FP8_AVX512);
 
 // Cache lines [share * per, (share + 1) * per) of a page `lines` long, into L1 (Locality 3) or
 // L2 (1).
@@ -517,13 +515,11 @@ inline void prefetch_share(const void* page, int64_t share, int64_t per, int64_t
   for (int64_t l = share * per; l < std::min((share + 1) * per, lines); ++l) __builtin_prefetch(p + l * 64, 0, Locality);
 }
 
-// Values in pairs of dims (the loop below): a bfloat16 pool with a fixed, even number of chunks,
-// or a float8 one where its codes widen to bfloat16 32 at a time (AVX-512).
+// Values in pairs of dims (the loop below): such a pool with a fixed, even number of chunks.
 template <typename KV, int C>
-constexpr bool kPairedValues = (std::is_same_v<KV, c10::BFloat16> || (kIsFp8<KV> && ISOSERVE_FP8_AVX512)) &&
-                               C > 0 && C % 2 == 0;
+constexpr bool kPairedValues = kBf16PairsKV<KV> && C > 0 && C % 2 == 0;
 
-// 32 values of a pool row as 16 words of bfloat16 pairs (kPairedValues pools only).
+// 32 values of a pool row as 16 words of bfloat16 pairs (kBf16PairsKV pools only).
 inline vword16 bf16_words(const c10::BFloat16* p) {
   vword16 words;
   std::memcpy(&words, p, sizeof words);
@@ -535,8 +531,8 @@ inline vword16 bf16_words(const fp8_t* p) {
 }
 #endif
 
-// The first 32 N values of a pool row as N vectors of bfloat16 pairs (kPairedValues and kDotKV
-// pools): a float8 row 64 codes at a time where the CPU has AVX512-VBMI (fp8.h).
+// The first 32 N values of a pool row as N vectors of bfloat16 pairs (kBf16PairsKV pools): a
+// float8 row 64 codes at a time where the CPU has AVX512-VBMI (fp8.h).
 template <int N, typename KV>
 inline void bf16_row(const KV* p, vword16* words) {
 #if ISOSERVE_FP8_VBMI
@@ -618,7 +614,7 @@ void attend(const T* q, const KV* kc, const KV* vc, const int64_t* pages, const 
         if (++slot == page_size) slot = 0, ++page;
 #if defined(__AVX512BF16__)
         if constexpr (DOT) {
-          static_assert(std::is_same_v<T, c10::BFloat16> && kDotKV<KV> && C % 2 == 0 && C > 0);
+          static_assert(std::is_same_v<T, c10::BFloat16> && kBf16PairsKV<KV> && C % 2 == 0 && C > 0);
           vword16 pairs[C / 2];
           bf16_row<C / 2>(key, pairs);
           for (int64_t p = 0; p < C / 2; ++p) {
@@ -747,7 +743,7 @@ void decode_attention_impl(const T* q, const KV* kc, const KV* vc, const int64_t
     // In bfloat16 it scores by the dot-product instruction where the CPU has one (unless the
     // caller asks for the float32 path): 20-27% faster with the KV in cache, ~5% at batch 32
     // of the default model, where reading the KV from memory bounds the kernel.
-    constexpr bool dot = std::is_same_v<T, c10::BFloat16> && kDotKV<KV> && kHaveBf16Dot;
+    constexpr bool dot = std::is_same_v<T, c10::BFloat16> && kBf16PairsKV<KV> && kHaveBf16Dot;
     if (dot && bf16_dot && dim == 64 && group == 3)
       attend<T, KV, 4, 3, dot>(q, kc, vc, pages, lens, out, heads, kv_heads, num_pages, page_size, dim, width, scale, begin, end);
     else if (dim == 64 && group == 3)
