@@ -22,6 +22,7 @@ from pathlib import Path
 import httpx
 import pytest
 
+from isoserve.bench.client import completion_body
 from isoserve.bench.soak import SoakError, check_loopback, parse_tenant
 from isoserve.cli import main as isoserve_main
 from serving import add_tenant, running_server
@@ -256,3 +257,23 @@ def test_bench_http_mode_times_every_streamed_request(server, tenants, tmp_path)
     # Closed loop at 1: each request is sent once the one before it is done.
     serial = sorted(data["requests"][0], key=lambda r: r["sent_ms"])
     assert all(b["sent_ms"] >= a["sent_ms"] + a["e2e_ms"] - 0.01 for a, b in zip(serial, serial[1:]))
+
+
+def test_bench_http_mode_loads_the_server_with_sampled_requests(server, tenants, tmp_path):
+    """--temperature and --top-p reach the server in every request body (seeded, so a run can be
+    repeated), and the sampled requests are timed like greedy ones."""
+    body = completion_body("m", "hi", 8, ignore_eos=True, temperature=0.8, seed=5, top_p=0.9)
+    assert (body["temperature"], body["top_p"], body["seed"]) == (0.8, 0.9, 5)
+    assert "top_p" not in completion_body("m", "hi", 8, ignore_eos=True, temperature=0.8, seed=5)
+    report = tmp_path / "bench.json"
+    status = isoserve_main(["bench", "--base-url", server.base_url, "--key", tenants[1]["alice"],
+                            "--concurrency", "3", "--num-requests", "6", "--prompt-tokens", "40",
+                            "--output-tokens", "8", "--ignore-eos", "--temperature", "1", "--top-p", "0.9",
+                            "--warmup", "0", "--json", str(report)])
+    assert status == 0
+    data = json.loads(report.read_text())
+    assert (data["workload"]["temperature"], data["workload"]["top_p"]) == (1.0, 0.9)
+    (summary,) = data["summaries"]
+    assert (summary["ok"], summary["failed"], summary["total_output_tokens"]) == (6, 0, 48), summary
+    with pytest.raises(SystemExit, match="--top-p"):
+        isoserve_main(["bench", "--base-url", server.base_url, "--top-p", "0"])

@@ -42,9 +42,11 @@ class RequestRecord:
 
 
 def completion_body(model: str, prompt: str, max_tokens: int, *, ignore_eos: bool,
-                    temperature: float, seed: int | None) -> dict:
+                    temperature: float, seed: int | None, top_p: float = 1.0) -> dict:
     body = {"model": model, "prompt": prompt, "max_tokens": max_tokens, "temperature": temperature,
             "stream": True, "stream_options": {"include_usage": True}}
+    if top_p < 1.0:
+        body["top_p"] = top_p
     if ignore_eos:
         body["ignore_eos"] = True  # an extension (vLLM, llama.cpp, isoserve); others ignore it
     if seed is not None:

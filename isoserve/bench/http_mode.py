@@ -75,7 +75,7 @@ async def _run(args) -> dict:
 
         async def send(spec) -> RequestRecord:
             body = completion_body(model, spec.prompt, spec.output_tokens, ignore_eos=args.ignore_eos,
-                                   temperature=args.temperature,
+                                   temperature=args.temperature, top_p=args.top_p,
                                    seed=args.seed if args.temperature > 0 else None)
             return await stream_completion(client, completions, headers, body, spec.index)
 
@@ -99,7 +99,8 @@ async def _run(args) -> dict:
         "max_model_len": max_model_len,
         "workload": {"dataset": args.dataset, "prompt_tokens": args.prompt_tokens,
                      "output_tokens": args.output_tokens, "ignore_eos": args.ignore_eos,
-                     "temperature": args.temperature, "seed": args.seed, "warmup": args.warmup},
+                     "temperature": args.temperature, "top_p": args.top_p, "seed": args.seed,
+                     "warmup": args.warmup},
         "calibration": {"offset_tokens": cal.offset, "tokens_per_word": cal.per_word,
                         "measured": cal.measured},
         "summaries": summaries,

@@ -47,6 +47,8 @@ def add_arguments(p: argparse.ArgumentParser) -> None:
                       help="fixed lengths, or lognormal ShareGPT-like ones (see isoserve/bench/workload.py)")
     http.add_argument("--ignore-eos", action="store_true", help="generate max_tokens every time")
     http.add_argument("--temperature", type=float, default=0.0, help="default 0 (greedy)")
+    http.add_argument("--top-p", type=float, default=1.0,
+                      help="nucleus sampling with --temperature > 0 (default 1: off, not sent)")
     http.add_argument("--warmup", type=int, default=2, help="unmeasured requests first (default 2)")
     http.add_argument("--request-timeout", type=float, default=600.0, help="seconds per request")
     http.add_argument("--plot", metavar="PATH.png",
@@ -152,6 +154,8 @@ def run(args) -> int:
     logging.getLogger("httpx").setLevel(logging.WARNING)  # no log line per request
     if args.prompt_tokens is None:
         args.prompt_tokens = 2000 if getattr(args, "prefill", False) else 100
+    if not 0 < args.top_p <= 1:
+        raise SystemExit(f"bench: --top-p must be in (0, 1], got {args.top_p}")
     if getattr(args, "soak", False):
         from isoserve.bench.soak import run_soak
         return run_soak(args)

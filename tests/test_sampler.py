@@ -1,0 +1,168 @@
+"""The batched sampler (engine/sampler.py) on its own: the tokens it draws follow the
+distribution temperature, top-k and top-p leave, at every width the top-p search takes, never a
+token of probability 0, the same token for the same seed wherever the row sits, and an error
+for a row that is not a distribution. tests/test_sampling.py checks it end to end on a model.
+"""
+from __future__ import annotations
+
+import math
+
+import pytest
+import torch
+from hypothesis import given, settings, strategies as st
+
+from isoserve.engine import sampler
+from isoserve.engine.sampler import BLOCK, NUCLEUS_CANDIDATES, sample
+from isoserve.engine.sampling_params import SamplingParams
+from isoserve.engine.sequence import Sequence
+
+DRAWS = 4000
+
+
+def _seqs(n: int, **params) -> list[Sequence]:
+    return [Sequence(f"r{i}", i, [1], SamplingParams(max_tokens=8, **params), 0) for i in range(n)]
+
+
+def _argmax(logits: torch.Tensor) -> torch.Tensor:
+    return logits.argmax(dim=-1)
+
+
+def _draw_counts(logits: torch.Tensor, draws: int = DRAWS, **params) -> torch.Tensor:
+    """How often each token came out of `draws` rows of the same logits, unseeded."""
+    torch.manual_seed(0)
+    tokens, _ = sample(logits.expand(draws, -1).contiguous(), _seqs(draws, **params), _argmax)
+    return torch.bincount(torch.tensor(tokens), minlength=logits.shape[-1])
+
+
+def _expected(logits: torch.Tensor, temperature: float, top_k: int = -1, top_p: float = 1.0) -> torch.Tensor:
+    """The distribution in float64, the definition: temperature, top-k (ties with the k-th stay
+    in), then the smallest prefix of the sorted probabilities whose mass reaches top_p."""
+    scaled = logits.double() / temperature
+    if top_k > 0:
+        scaled = scaled.masked_fill(scaled < scaled.topk(top_k).values[-1], float("-inf"))
+    probs = torch.softmax(scaled, dim=-1)
+    values, order = probs.sort(descending=True)
+    keep = values.cumsum(-1) - values < top_p
+    keep[0] = True
+    kept = torch.zeros_like(probs).scatter_(-1, order, values * keep)
+    return kept / kept.sum()
+
+
+def _assert_follows(counts: torch.Tensor, expected: torch.Tensor) -> None:
+    """Every token drawn has probability > 0, and each token's count lies within 5 standard
+    deviations of its expectation (a sampler off by a block, a token or a factor fails this)."""
+    n = int(counts.sum())
+    assert not bool(((counts > 0) & (expected == 0)).any()), "drew a token of probability 0"
+    mean = expected * n
+    sd = (expected * (1 - expected) * n).sqrt()
+    worst = ((counts.double() - mean).abs() - 5 * sd - 1).max()
+    assert worst <= 0, f"counts {counts.tolist()[:16]} against expected {mean.tolist()[:16]}"
+
+
+def _spread_logits(vocab: int, likely: dict[int, float]) -> torch.Tensor:
+    """-inf everywhere (probability 0) but at the given tokens, which hold these logits."""
+    logits = torch.full((1, vocab), float("-inf"))
+    for token, value in likely.items():
+        logits[0, token] = value
+    return logits
+
+
+@pytest.mark.parametrize("vocab", [7, BLOCK * 3, 1000])  # within a block, whole blocks, a padded last block
+def test_draws_follow_softmax_over_tokens_in_different_blocks(vocab):
+    likely = {0: 0.0, 1: 1.0, vocab // 2: 0.5, vocab - 2: 1.5, vocab - 1: -0.5}
+    logits = _spread_logits(vocab, likely)
+    for temperature in (1.0, 0.5):
+        _assert_follows(_draw_counts(logits, temperature=temperature), _expected(logits[0], temperature))
+
+
+def test_a_bfloat16_row_is_sampled_from_its_float32_values():
+    logits = (torch.randn(1, 3 * BLOCK, generator=torch.Generator().manual_seed(1)) * 2).to(torch.bfloat16)
+    _assert_follows(_draw_counts(logits, temperature=0.7), _expected(logits[0].float(), 0.7))
+
+
+def test_top_k_keeps_the_k_most_likely_and_ties_with_the_kth():
+    logits = torch.tensor([[3.0, 1.0, 2.0, 2.0, 0.0, 2.5, -1.0]])
+    counts = _draw_counts(logits, temperature=1.0, top_k=3)
+    _assert_follows(counts, _expected(logits[0], 1.0, top_k=3))
+    assert set(counts.nonzero().flatten().tolist()) == {0, 2, 3, 5}  # 2.0 twice: both stay
+
+
+def _nucleus_logits(vocab: int, size: int) -> torch.Tensor:
+    """A row whose 0.9-nucleus holds most of `size` likely tokens: they hold ~92% of the mass,
+    each a little less likely than the one before (no ties: which of several tied tokens a
+    prefix keeps is the sort's choice), the rest spread thinly, in shuffled positions."""
+    logits = torch.zeros(vocab, dtype=torch.float64)
+    logits[:size] = math.log(0.92 / size) - math.log(0.08 / (vocab - size)) + torch.linspace(0.3, 0, size)
+    return logits[torch.randperm(vocab, generator=torch.Generator().manual_seed(size))][None].float()
+
+
+@pytest.mark.parametrize("size", [40, 1000, 6000])  # the prefix within each candidate width, then the full sort
+def test_top_p_draws_from_the_smallest_prefix_at_every_search_width(size):
+    assert NUCLEUS_CANDIDATES[0] < 0.8 * 1000 and 1000 < NUCLEUS_CANDIDATES[1] < 0.8 * 6000
+    logits = _nucleus_logits(8192, size)
+    expected = _expected(logits[0], 1.0, top_p=0.9)
+    assert 0.8 * size < int((expected > 0).sum()) < size
+    # The prefix ends clear of top_p (float32 and float64 running sums agree on where).
+    values = torch.softmax(logits[0].double(), -1).sort(descending=True).values.cumsum(-1)
+    assert float((values - 0.9).abs().min()) > 1e-5
+    counts = _draw_counts(logits, draws=2000 if size > 1000 else DRAWS, temperature=1.0, top_p=0.9)
+    assert not bool(((counts > 0) & (expected == 0)).any())
+    if size == 40:
+        _assert_follows(counts, expected)
+    else:  # too many tokens to count each: the drawn ones spread over the nucleus
+        assert int((counts > 0).sum()) > 0.5 * min(int((expected > 0).sum()), int(counts.sum()))
+
+
+def test_rows_of_different_parameters_and_widths_in_one_batch():
+    """Each row is drawn with its own parameters, whatever path its neighbours take."""
+    logits = torch.cat([_nucleus_logits(8192, 6000), _nucleus_logits(8192, 40),
+                        _spread_logits(8192, {5: 0.0, 4000: 1.0}), _nucleus_logits(8192, 1000)])
+    params = [dict(temperature=1.0, top_p=0.9), dict(temperature=1.0, top_p=0.9), dict(temperature=0),
+              dict(temperature=0.8, top_k=1000)]
+    seqs = [Sequence(f"r{i}", i, [1], SamplingParams(**p), 0) for i, p in enumerate(params)]
+    torch.manual_seed(0)
+    for _ in range(50):
+        tokens, _ = sample(logits, seqs, _argmax)
+        for row, (token, p) in enumerate(zip(tokens, params)):
+            assert _expected(logits[row], p.get("temperature") or 1.0, p.get("top_k", -1),
+                             p.get("top_p", 1.0))[token] > 0 or p["temperature"] == 0
+        assert tokens[2] == 4000
+
+
+def test_a_seed_draws_the_same_token_alone_and_in_any_batch():
+    logits = torch.randn(6, 3000, generator=torch.Generator().manual_seed(3))
+    params = [SamplingParams(temperature=1.0, seed=7), SamplingParams(temperature=0.9, top_p=0.8, seed=8)]
+    alone = [sample(logits[i:i + 1], [Sequence("a", 0, [1], p, 0)], _argmax)[0][0]
+             for i, p in zip((0, 1), params)]
+    others = _seqs(4, temperature=1.0)
+    torch.manual_seed(123)
+    mixed, _ = sample(torch.cat([logits[2:4], logits[0:1], logits[4:6], logits[1:2]]),
+                      others[:2] + [Sequence("a", 0, [1], params[0], 0)] + others[2:]
+                      + [Sequence("b", 0, [1], params[1], 0)], _argmax)
+    assert [mixed[2], mixed[5]] == alone
+
+
+@pytest.mark.parametrize("bad", [float("nan"), float("inf")])
+def test_a_row_that_is_no_distribution_is_refused(bad):
+    logits = torch.zeros(2, 300)
+    logits[1, 17] = bad
+    with pytest.raises(ValueError, match="cannot sample"):
+        sample(logits, _seqs(2, temperature=1.0), _argmax)
+
+
+@settings(max_examples=200, deadline=None)
+@given(weights=st.lists(st.one_of(st.just(0.0), st.floats(1e-30, 1.0)), min_size=1, max_size=700),
+       u=st.floats(0.0, 1.0, exclude_max=True))
+def test_inverse_cdf_takes_the_position_whose_span_holds_the_target(weights, u):
+    w = torch.tensor([weights], dtype=torch.float32)
+    if not bool((w > 0).any()):
+        with pytest.raises(ValueError):
+            sampler._inverse_cdf(w, torch.tensor([u], dtype=torch.float64))
+        return
+    pos = int(sampler._inverse_cdf(w, torch.tensor([u], dtype=torch.float64))[0])
+    assert weights[pos] > 0  # never a position of weight 0, even where rounding ends a block
+    running = w[0].double().cumsum(0)
+    target = u * float(running[-1])
+    before = float(running[pos - 1]) if pos else 0.0
+    slack = 1e-12 * float(running[-1])  # block sums and running sums round apart
+    assert before - slack <= target < float(running[pos]) + slack
