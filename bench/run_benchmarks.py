@@ -13,6 +13,8 @@ Parts (each result is a ratio against its peer measured in the same run):
               (with isoserve's offline batch 32), then a fresh disaggregated server at 32
               concurrent, so each round's ratio compares moments minutes apart at most
     guards    guards on vs all off, transfer checksums off, --scrub-freed-pages; concurrency 32
+    sampling  the same load greedy vs sampled (temperature 1; temperature 1 with top_p 0.9),
+              concurrency 32, fresh servers in rotated order
     transfer  KV transfer MB/s from the disaggregated server's /metrics vs raw pyzmq, same shapes
     llamacpp  llama.cpp's llama-server (-np 32 -cb, same GGUF) vs `isoserve serve` disaggregated,
               concurrency 1 and 32; skipped when llama-server is not built (make llama-server)
@@ -49,7 +51,7 @@ from isoserve.bench.machine import describe, dtypes, machine_facts  # noqa: E402
 from isoserve.bench.plot import plot_runs  # noqa: E402
 from isoserve.config import GUARD_NAMES, KV_DTYPE_CHOICES, AutoInputs, dtype_name, resolve_dtypes  # noqa: E402
 
-PARTS = ("offline", "serve", "target", "guards", "transfer", "llamacpp", "prefill", "roofline")
+PARTS = ("offline", "serve", "target", "guards", "sampling", "transfer", "llamacpp", "prefill", "roofline")
 TITLE = "# Benchmarks"
 PAGE_SIZE = 16  # isoserve serve's default, which these runs keep
 
@@ -128,12 +130,12 @@ class Run:
             text = text.replace(str(gguf), "$GGUF")
         return text.replace(str(ROOT) + "/", "")
 
-    def bench(self, server, label: str, concurrency: str) -> tuple[dict, str]:
+    def bench(self, server, label: str, concurrency: str, *extra: str) -> tuple[dict, str]:
         """`isoserve bench` against a running server; its JSON and the command shown."""
         out = self.work / f"{label}.json"
         cmd = isoserve_cmd("bench", "--base-url", server.base_url, "--concurrency", concurrency,
                            "--prompt-tokens", str(self.plan.prompt_tokens),
-                           "--output-tokens", str(self.plan.output_tokens), "--ignore-eos",
+                           "--output-tokens", str(self.plan.output_tokens), "--ignore-eos", *extra,
                            "--json", str(out), "--label", label)
         if self.plan.num_requests:
             cmd += ["--num-requests", str(self.plan.num_requests)]
@@ -352,6 +354,54 @@ def part_guards(run: Run) -> str:
             + f"\n\nOutput tok/s per round: {per_round}.")
     cmds = [c for n in names for c in commands.get(n, [])]
     return section("Guards on vs off, page scrubbing, transfer checksums (issue 4)", run, cmds, body)
+
+
+SAMPLING_CONFIGS = {  # label: extra `isoserve bench` flags (seeded by its --seed when sampled)
+    "greedy": [],
+    "temperature 1": ["--temperature", "1"],
+    "temperature 1, top_p 0.9": ["--temperature", "1", "--top-p", "0.9"],
+}
+
+
+def part_sampling(run: Run) -> str:
+    p = run.plan
+    names = list(SAMPLING_CONFIGS)
+    measured: dict[str, list[dict]] = {n: [] for n in names}
+    commands: dict[str, list[str]] = {}
+    for r in range(p.guard_rounds):
+        order = names[r % len(names):] + names[:r % len(names)]  # rotate: drift hits each alike
+        for name in order:
+            label = "sampling-" + name.replace(" ", "-").replace(",", "") + f"-round{r + 1}"
+            with run.serve(label) as server:
+                data, bench_cmd = run.bench(server, label, str(p.guard_concurrency), *SAMPLING_CONFIGS[name])
+                commands.setdefault(name, [run.show(server.command), bench_cmd])
+            s = data["summaries"][0]
+            measured[name].append({"tok_s": s["output_tokens_per_s"], "itl_p50": s["itl_ms"]["p50"],
+                                   "tpot_p50": s["tpot_ms"]["p50"], "failed": s["failed"]})
+
+    def median(name: str, key: str):
+        values = [m[key] for m in measured[name] if m[key] is not None]
+        return statistics.median(values) if values else None
+
+    base = {k: median("greedy", k) for k in ("tok_s", "itl_p50", "tpot_p50")}
+    rows = []
+    for name in names:
+        m = {k: median(name, k) for k in base}
+        rows.append([name, num(m["tok_s"]), ratio(m["tok_s"], base["tok_s"], 3),
+                     num(m["itl_p50"], 2), ratio(m["itl_p50"], base["itl_p50"], 3),
+                     num(m["tpot_p50"], 2), ratio(m["tpot_p50"], base["tpot_p50"], 3),
+                     sum(x["failed"] for x in measured[name])])
+    headers = ["sampling", "out tok/s", "vs greedy", "ITL p50 ms", "vs greedy", "TPOT p50 ms",
+               "vs greedy", "failed"]
+    per_round = "; ".join(f"{n}: " + ", ".join(num(x["tok_s"]) for x in measured[n]) for n in names)
+    body = (f"Disaggregated `isoserve serve` (every guard on), {p.model} {p.isoserve_dtypes}, "
+            f"concurrency {p.guard_concurrency}, ~{p.prompt_tokens}-token prompts, "
+            f"{p.output_tokens} output tokens (`ignore_eos`), greedy and sampled (OpenAI's "
+            f"default is temperature 1; the sampled requests carry a seed). Each setting ran "
+            f"{p.guard_rounds} time(s), in rotated order, each on a fresh server; the table shows "
+            f"medians.\n\n" + md_table(headers, rows) + f"\n\nOutput tok/s per round: {per_round}.")
+    cmds = [c for n in names for c in commands.get(n, [])]
+    return section("Greedy vs sampled decoding over HTTP", run, cmds, body)
 
 
 def part_transfer(run: Run) -> str:
@@ -588,7 +638,7 @@ def main() -> int:
     run = Run(plan, work, out, tenants, add_tenant(tenants, "bench"))
 
     functions = {"offline": part_offline, "serve": part_serve, "target": part_target, "guards": part_guards,
-                 "transfer": part_transfer, "llamacpp": part_llamacpp, "prefill": part_prefill,
+                 "sampling": part_sampling, "transfer": part_transfer, "llamacpp": part_llamacpp, "prefill": part_prefill,
                  "roofline": part_roofline}
     sections, failed = {"intro": intro()}, []
     for part in PARTS:  # a fixed order: transfer reuses the serve part's server when both run
