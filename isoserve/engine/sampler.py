@@ -8,7 +8,7 @@ and takes the token where u * (its distribution's mass) falls in the running sum
 probabilities: inverse-CDF sampling, which is what torch.multinomial does for one sample, but
 for every row at once. One multinomial call per row took ~0.87 ms on a 49,152-token vocabulary
 (and a top-p sort of the whole vocabulary 2.1 ms more), 28 ms of a 46 ms batch-32 decode step
-at temperature 1; the batched draw takes ~1 ms for the 32 rows (docs/benchmarks.md).
+at temperature 1; the batched draw takes ~2 ms for the 32 rows (docs/benchmarks.md).
 """
 from __future__ import annotations
 
