@@ -12,7 +12,7 @@ import torch
 from hypothesis import given, settings, strategies as st
 
 from isoserve.engine import sampler
-from isoserve.engine.sampler import BLOCK, NUCLEUS_CANDIDATES, sample
+from isoserve.engine.sampler import BLOCK, NUCLEUS_CANDIDATES, TOP_K_WIDTHS, sample
 from isoserve.engine.sampling_params import SamplingParams
 from isoserve.engine.sequence import Sequence
 
@@ -87,6 +87,28 @@ def test_top_k_keeps_the_k_most_likely_and_ties_with_the_kth():
     assert set(counts.nonzero().flatten().tolist()) == {0, 2, 3, 5}  # 2.0 twice: both stay
 
 
+@pytest.mark.parametrize("top_k,top_p", [(10, 1.0), (10, 0.6), (100, 1.0), (100, 0.9)])
+def test_a_small_top_k_is_drawn_from_its_candidates_as_from_the_whole_vocabulary(top_k, top_p):
+    """k below a candidate width (TOP_K_WIDTHS): drawn among the most likely tokens only, with
+    the distribution the masked vocabulary gives, in float32 and in bfloat16 (ties abound)."""
+    assert top_k < TOP_K_WIDTHS[0] or top_k < TOP_K_WIDTHS[1]
+    for dtype in (torch.float32, torch.bfloat16):
+        logits = (torch.randn(1, 1000, generator=torch.Generator().manual_seed(top_k)) * 1.5).to(dtype)
+        expected = _expected(logits[0].float(), 0.8, top_k=top_k, top_p=top_p)
+        _assert_follows(_draw_counts(logits, temperature=0.8, top_k=top_k, top_p=top_p), expected)
+
+
+def test_ties_with_the_kth_value_past_the_candidates_are_drawn_too():
+    """300 tokens share the 5th-largest logit: the 64 candidates cannot hold them, so the row is
+    drawn over the whole vocabulary, every tie allowed."""
+    logits = torch.full((1, 2000), -10.0)
+    logits[0, :4] = torch.tensor([3.0, 2.5, 2.0, 1.5])
+    logits[0, 1000:1300] = 1.0
+    counts = _draw_counts(logits, temperature=1.0, top_k=5)
+    _assert_follows(counts, _expected(logits[0], 1.0, top_k=5))
+    assert int((counts[1000:1300] > 0).sum()) > TOP_K_WIDTHS[0]
+
+
 def _nucleus_logits(vocab: int, size: int) -> torch.Tensor:
     """A row whose 0.9-nucleus holds most of `size` likely tokens: they hold ~92% of the mass,
     each a little less likely than the one before (no ties: which of several tied tokens a
@@ -129,9 +151,12 @@ def test_rows_of_different_parameters_and_widths_in_one_batch():
         assert tokens[2] == 4000
 
 
-def test_a_seed_draws_the_same_token_alone_and_in_any_batch():
+@pytest.mark.parametrize("params", [
+    [SamplingParams(temperature=1.0, seed=7), SamplingParams(temperature=0.9, top_p=0.8, seed=8)],
+    [SamplingParams(temperature=1.0, top_k=20, seed=7), SamplingParams(temperature=0.9, top_k=200, top_p=0.8, seed=8)],
+])
+def test_a_seed_draws_the_same_token_alone_and_in_any_batch(params):
     logits = torch.randn(6, 3000, generator=torch.Generator().manual_seed(3))
-    params = [SamplingParams(temperature=1.0, seed=7), SamplingParams(temperature=0.9, top_p=0.8, seed=8)]
     alone = [sample(logits[i:i + 1], [Sequence("a", 0, [1], p, 0)], _argmax)[0][0]
              for i, p in zip((0, 1), params)]
     others = _seqs(4, temperature=1.0)

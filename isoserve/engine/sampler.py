@@ -27,6 +27,10 @@ BLOCK = 256
 # The SmolLM2 default model at temperature 1, top_p 0.9 / 0.95: nuclei of median 15 / 48 tokens
 # and p90 233 / 864 on chat prompts, median 1,551 / 3,175 on prompts of random words.
 NUCLEUS_CANDIDATES = (256, 4096)
+# A row with a top-k below one of these is drawn from that many most likely tokens (its k and
+# their ties) without a softmax over the whole vocabulary: a row's width follows from its own k,
+# so its draw never depends on the rows beside it.
+TOP_K_WIDTHS = (64, 256)
 
 
 def _row_generator(seq: Sequence) -> torch.Generator | None:
@@ -64,6 +68,34 @@ def _scaled_logits(logits: torch.Tensor, seqs: list[Sequence]) -> torch.Tensor:
         part = x[rows]
         x[rows] = part.masked_fill_(part < kth, float("-inf"))
     return x
+
+
+def _top_k_width(k: int, vocab: int) -> int | None:
+    """The candidates a row with top-k k is drawn from (TOP_K_WIDTHS), or None: the whole
+    vocabulary. Strictly more than k, so a tie with the k-th value that runs to the last
+    candidate shows (and that row goes the whole-vocabulary way)."""
+    if k <= 0:
+        return None
+    return next((w for w in TOP_K_WIDTHS if k < w < vocab), None)
+
+
+def _draw_top_k(logits: torch.Tensor, seqs: list[Sequence], width: int,
+                u: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
+    """Rows whose top-k fits in `width` candidates: ([R] tokens, [R] False where a tie with the
+    k-th value may reach past the candidates; that row's token is to be drawn again the whole
+    vocabulary's way). Temperature, top-k (its ties), softmax and top-p over the candidates only:
+    the same distribution as over the masked vocabulary."""
+    # The candidates by the logits as they are: dividing by a positive temperature keeps their
+    # order, and only the candidates are then scaled (in float32, as the whole vocabulary would be).
+    raw, ids = torch.topk(logits, width, dim=-1)
+    temperature = torch.tensor([s.params.temperature for s in seqs], dtype=torch.float32)[:, None]
+    values = torch.div(raw, temperature)
+    kth = values.gather(1, torch.tensor([s.params.top_k - 1 for s in seqs])[:, None])
+    complete = values[:, -1] < kth[:, 0]
+    probs = torch.softmax(values.masked_fill_(values < kth, float("-inf")), dim=-1)
+    top_p = torch.tensor([s.params.top_p if s.params.top_p < 1.0 else float("inf") for s in seqs],
+                         dtype=torch.float32)
+    return _draw_prefix(probs, ids, top_p, u), complete
 
 
 def _select(t: torch.Tensor, rows: torch.Tensor) -> torch.Tensor:
@@ -133,8 +165,27 @@ def _draw_nucleus(probs: torch.Tensor, top_p: torch.Tensor, u: torch.Tensor) -> 
 
 def _draw(logits: torch.Tensor, seqs: list[Sequence]) -> torch.Tensor:
     """[R] tokens sampled from the rows of logits [R, V], one per sequence."""
-    probs = torch.softmax(_scaled_logits(logits, seqs), dim=-1)
     u = _uniforms(seqs)
+    tokens = torch.empty(len(seqs), dtype=torch.long)
+    widths = [_top_k_width(s.params.top_k, logits.shape[-1]) for s in seqs]
+    rest = [r for r, w in enumerate(widths) if w is None]
+    for width in sorted(set(widths) - {None}):
+        rows = [r for r, w in enumerate(widths) if w == width]
+        drawn, complete = _draw_top_k(logits if len(rows) == len(seqs) else logits[rows],
+                                      [seqs[r] for r in rows], width, u[rows])
+        tokens[rows] = drawn
+        rest += [r for r, ok in zip(rows, complete.tolist()) if not ok]
+    if rest:
+        rest.sort()
+        tokens[rest] = _draw_vocabulary(logits if len(rest) == len(seqs) else logits[rest],
+                                        [seqs[r] for r in rest], u[rest])
+    return tokens
+
+
+def _draw_vocabulary(logits: torch.Tensor, seqs: list[Sequence], u: torch.Tensor) -> torch.Tensor:
+    """[R] tokens from rows of logits [R, V] over the whole vocabulary: temperature, top-k by
+    masking, one softmax, then the inverse CDF (top-p rows through the nucleus search)."""
+    probs = torch.softmax(_scaled_logits(logits, seqs), dim=-1)
     top_p = torch.tensor([s.params.top_p for s in seqs], dtype=torch.float32)
     nucleus = top_p < 1.0
     if not nucleus.any():
