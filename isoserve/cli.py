@@ -10,6 +10,16 @@ from isoserve.config import DTYPE_CHOICES, GUARD_NAMES, KV_DTYPE_CHOICES, AutoIn
 from isoserve.disagg.cores import POLICIES
 
 
+def _at_least_one(text: str) -> int:
+    try:
+        value = int(text)
+    except ValueError:
+        raise argparse.ArgumentTypeError(f"expected an integer, got {text!r}") from None
+    if value < 1:
+        raise argparse.ArgumentTypeError(f"must be at least 1, got {value}")
+    return value
+
+
 def _engine_args(p: argparse.ArgumentParser) -> None:
     p.add_argument("--model", default="smollm2-135m-instruct",
                    help="smollm2-135m-instruct (default), a .gguf file or a Hugging Face checkpoint folder")
@@ -28,6 +38,10 @@ def _engine_args(p: argparse.ArgumentParser) -> None:
     p.add_argument("--page-size", type=int, default=16, help="tokens per KV page (default 16)")
     p.add_argument("--context-length", type=int, default=None, help="default: the model's")
     p.add_argument("--max-num-seqs", type=int, default=64, help="sequences decoded together at most")
+    p.add_argument("--stream-interval", type=_at_least_one, default=1, metavar="N",
+                   help="send a running request's tokens every N tokens (default 1: each token as it "
+                        "comes; the first token and the end always at once). Larger N: fewer, larger "
+                        "stream events, less router and client work per token, burstier streams")
     p.add_argument("--max-batched-tokens", type=int, default=2048,
                    help="tokens per engine step; longer prompts are prefilled in chunks")
     p.add_argument("--int4-max-rows", type=int, default=None, metavar="N",

@@ -179,6 +179,9 @@ class EngineConfig:
     fused_kernels: bool = True
     disabled_guards: frozenset[str] = field(default_factory=frozenset)
     cache_dir: str | None = None
+    # A running request's output goes out every this many tokens (its first token and its end at
+    # once): fewer, larger stream events for less per-token work in the router and the client.
+    stream_interval: int = 1
 
     def pool_tokens_request(self, context_length: int) -> dict:
         """Keyword arguments for KVPool.pages_for: explicit size, or twice the context."""

@@ -74,6 +74,8 @@ class Engine:
         self.model = LlamaModel(ckpt.config, ckpt.weights, dtype, config.device,
                                 max_positions=self.context_length, int4_max_rows=config.int4_max_rows,
                                 int8_activations=config.int8_activations, fused_kernels=config.fused_kernels)
+        if config.stream_interval < 1:
+            raise ValueError(f"stream_interval must be >= 1, got {config.stream_interval}")
         self.scheduler = Scheduler(self.allocator, config.page_size, config.max_num_seqs,
                                    config.max_batched_tokens)
         self.runner = ModelRunner(self.model, self.pool,
@@ -214,7 +216,7 @@ class Engine:
                     f"({violation.describe()})"))
             for seq, token, logprob in result.sampled:
                 self._append_token(seq, token, logprob)
-                if not seq.finished:
+                if not seq.finished and self._output_due(seq):
                     outputs.append(self._output(seq))
         outputs += self._pending_outputs  # requests that finished in this step
         self._pending_outputs = []
@@ -278,6 +280,12 @@ class Engine:
         self._pending_outputs.append(self._output(seq))
         if not seq.pages:
             self.requests.pop(seq.request_id, None)
+
+    def _output_due(self, seq: Sequence) -> bool:
+        """Whether a running sequence's new tokens go out now: its first at once (time to first
+        token), then every stream_interval tokens. A finished one always goes out (_finish)."""
+        unsent = len(seq.output_token_ids) - seq.emitted_tokens
+        return seq.emitted_tokens == 0 or unsent >= self.config.stream_interval
 
     def _output(self, seq: Sequence) -> RequestOutput:
         new_tokens = seq.output_token_ids[seq.emitted_tokens:]

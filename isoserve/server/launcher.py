@@ -29,7 +29,8 @@ def _engine_config(args, *, kv_tokens=None, kv_memory_gb=None) -> EngineConfig:
                         scrub_freed_pages=args.scrub_freed_pages, int4_max_rows=args.int4_max_rows,
                         int8_activations=args.int8_activations,
                         fused_kernels=args.fused_kernels,
-                        disabled_guards=args.disabled_guards, cache_dir=args.cache_dir)
+                        disabled_guards=args.disabled_guards, cache_dir=args.cache_dir,
+                        stream_interval=args.stream_interval)
 
 
 def _warn_disabled_guards(names) -> None:
@@ -186,7 +187,8 @@ def _worker_command(args, role: str, index: int, router: str, kv_endpoint: str, 
            "--model", args.model, "--dtype", args.dtype, "--kv-dtype", args.kv_dtype, "--device", args.device,
            "--page-size", str(args.page_size), "--max-num-seqs", str(_max_num_seqs(args, role)),
            "--max-batched-tokens", str(_max_batched_tokens(args, role)),
-           "--transfer-timeout", str(args.transfer_timeout), "--threads", str(threads)]
+           "--transfer-timeout", str(args.transfer_timeout), "--threads", str(threads),
+           "--stream-interval", str(args.stream_interval)]
     if args.int4_max_rows is not None:  # otherwise each worker takes its own kernel's default
         cmd += ["--int4-max-rows", str(args.int4_max_rows)]
     if args.int8_activations is not None:
@@ -266,6 +268,9 @@ async def _serve(args) -> int:
                  "a burst of prompts until none arrives for %g ms (--prefill-gather-ms); a decode "
                  "worker decodes up to %d sequences a step", _max_batched_tokens(args, "prefill"),
                  _max_num_seqs(args, "prefill"), args.prefill_gather_ms, _max_num_seqs(args, "decode"))
+    if args.stream_interval > 1:
+        log.info("streams: a running request's tokens go out every %d tokens (--stream-interval); "
+                 "its first token and its end at once", args.stream_interval)
     slots = iter(range(total))
     env = {**os.environ, "ISOSERVE_CLUSTER_SECRET": secret.decode()}
     metrics = Metrics()
