@@ -302,6 +302,54 @@ def part_target(run: Run) -> str:
     return section(title, run, commands, body)
 
 
+def rotated_rounds(run: Run, configs: dict[str, tuple[list[str], list[str]]], prefix: str,
+                   transfer: bool = False) -> tuple[dict[str, list[dict]], list[str]]:
+    """Each configuration ((`isoserve serve` flags, `isoserve bench` flags), by name) loaded at
+    the guard concurrency on a fresh server, p.guard_rounds rounds in rotated order, so drift
+    hits each alike. Returns each one's measurements by round and the commands (one round's)."""
+    p = run.plan
+    names = list(configs)
+    measured: dict[str, list[dict]] = {n: [] for n in names}
+    commands: dict[str, list[str]] = {}
+    for r in range(p.guard_rounds):
+        for name in names[r % len(names):] + names[:r % len(names)]:
+            serve_flags, bench_flags = configs[name]
+            label = f"{prefix}-" + name.replace(" ", "-").replace(",", "") + f"-round{r + 1}"
+            with run.serve(label, *serve_flags) as server:
+                data, bench_cmd = run.bench(server, label, str(p.guard_concurrency), *bench_flags)
+                if transfer:
+                    mb_per_s = prom.kv_transfer(server.metrics())["mb_per_s"]
+                commands.setdefault(name, [run.show(server.command), bench_cmd])
+            s = data["summaries"][0]
+            measured[name].append({"tok_s": s["output_tokens_per_s"], "itl_p50": s["itl_ms"]["p50"],
+                                   "tpot_p50": s["tpot_ms"]["p50"], "failed": s["failed"],
+                                   **({"transfer_mb_s": mb_per_s} if transfer else {})})
+    return measured, [c for n in names for c in commands.get(n, [])]
+
+
+# Columns of a rotated-rounds table: (measurement, heading, digits); each is followed by its
+# ratio to the first configuration's.
+ROTATED_COLUMNS = [("tok_s", "out tok/s", 1), ("itl_p50", "ITL p50 ms", 2), ("tpot_p50", "TPOT p50 ms", 2)]
+
+
+def rotated_table(measured: dict[str, list[dict]], first_heading: str, columns: list) -> str:
+    """Medians of each configuration, each against the first one's, and the tok/s per round."""
+    names = list(measured)
+
+    def median(name: str, key: str):
+        values = [m[key] for m in measured[name] if m[key] is not None]
+        return statistics.median(values) if values else None
+
+    base = {key: median(names[0], key) for key, _, _ in columns}
+    versus = f"vs {names[0]}"
+    rows = [[name, *(cell for key, _, digits in columns
+                     for cell in (num(median(name, key), digits), ratio(median(name, key), base[key], 3))),
+             sum(x["failed"] for x in measured[name])] for name in names]
+    headers = [first_heading, *(h for _, heading, _ in columns for h in (heading, versus)), "failed"]
+    per_round = "; ".join(f"{n}: " + ", ".join(num(x["tok_s"]) for x in measured[n]) for n in names)
+    return md_table(headers, rows) + f"\n\nOutput tok/s per round: {per_round}."
+
+
 GUARD_CONFIGS = {  # label: extra `isoserve serve` flags
     "guards on": [],
     "guards all off": ["--unsafe-disable-guard", ",".join(GUARD_NAMES)],
@@ -312,47 +360,16 @@ GUARD_CONFIGS = {  # label: extra `isoserve serve` flags
 
 def part_guards(run: Run) -> str:
     p = run.plan
-    names = list(GUARD_CONFIGS)
-    measured: dict[str, list[dict]] = {n: [] for n in names}
-    commands: dict[str, list[str]] = {}
-    for r in range(p.guard_rounds):
-        order = names[r % len(names):] + names[:r % len(names)]  # rotate: drift hits each alike
-        for name in order:
-            label = f"guards-{name.replace(' ', '-')}-round{r + 1}"
-            with run.serve(label, *GUARD_CONFIGS[name]) as server:
-                data, bench_cmd = run.bench(server, label, str(p.guard_concurrency))
-                transfer = prom.kv_transfer(server.metrics())
-                commands.setdefault(name, [run.show(server.command), bench_cmd])
-            s = data["summaries"][0]
-            measured[name].append({"tok_s": s["output_tokens_per_s"], "itl_p50": s["itl_ms"]["p50"],
-                                   "tpot_p50": s["tpot_ms"]["p50"], "failed": s["failed"],
-                                   "transfer_mb_s": transfer["mb_per_s"]})
-
-    def median(name: str, key: str):
-        values = [m[key] for m in measured[name] if m[key] is not None]
-        return statistics.median(values) if values else None
-
-    base = {k: median("guards on", k) for k in ("tok_s", "itl_p50", "tpot_p50", "transfer_mb_s")}
-    rows = []
-    for name in names:
-        m = {k: median(name, k) for k in base}
-        rows.append([name, num(m["tok_s"]), ratio(m["tok_s"], base["tok_s"], 3),
-                     num(m["itl_p50"], 2), ratio(m["itl_p50"], base["itl_p50"], 3),
-                     num(m["tpot_p50"], 2), ratio(m["tpot_p50"], base["tpot_p50"], 3),
-                     num(m["transfer_mb_s"]), ratio(m["transfer_mb_s"], base["transfer_mb_s"], 3),
-                     sum(x["failed"] for x in measured[name])])
-    headers = ["configuration", "out tok/s", "vs guards on", "ITL p50 ms", "vs guards on",
-               "TPOT p50 ms", "vs guards on", "KV transfer MB/s", "vs guards on", "failed"]
-    per_round = "; ".join(f"{n}: " + ", ".join(num(x["tok_s"]) for x in measured[n]) for n in names)
+    measured, cmds = rotated_rounds(run, {n: (flags, []) for n, flags in GUARD_CONFIGS.items()}, "guards",
+                                    transfer=True)
+    columns = ROTATED_COLUMNS + [("transfer_mb_s", "KV transfer MB/s", 1)]
     body = (f"Disaggregated `isoserve serve`, {p.model} {p.isoserve_dtypes}, concurrency "
             f"{p.guard_concurrency}, ~{p.prompt_tokens}-token prompts, {p.output_tokens} output "
             f"tokens (`ignore_eos`). Each configuration ran {p.guard_rounds} time(s), in rotated "
             f"order, each on a fresh server; the table shows medians. \"guards all off\" is "
             f"`--unsafe-disable-guard {','.join(GUARD_NAMES)}`. TPOT is (last token - first "
             f"token) / (tokens - 1) per request. KV transfer MB/s is from each server's "
-            f"/metrics (bytes / summed transfer seconds).\n\n" + md_table(headers, rows)
-            + f"\n\nOutput tok/s per round: {per_round}.")
-    cmds = [c for n in names for c in commands.get(n, [])]
+            f"/metrics (bytes / summed transfer seconds).\n\n" + rotated_table(measured, "configuration", columns))
     return section("Guards on vs off, page scrubbing, transfer checksums (issue 4)", run, cmds, body)
 
 
@@ -365,42 +382,13 @@ SAMPLING_CONFIGS = {  # label: extra `isoserve bench` flags (seeded by its --see
 
 def part_sampling(run: Run) -> str:
     p = run.plan
-    names = list(SAMPLING_CONFIGS)
-    measured: dict[str, list[dict]] = {n: [] for n in names}
-    commands: dict[str, list[str]] = {}
-    for r in range(p.guard_rounds):
-        order = names[r % len(names):] + names[:r % len(names)]  # rotate: drift hits each alike
-        for name in order:
-            label = "sampling-" + name.replace(" ", "-").replace(",", "") + f"-round{r + 1}"
-            with run.serve(label) as server:
-                data, bench_cmd = run.bench(server, label, str(p.guard_concurrency), *SAMPLING_CONFIGS[name])
-                commands.setdefault(name, [run.show(server.command), bench_cmd])
-            s = data["summaries"][0]
-            measured[name].append({"tok_s": s["output_tokens_per_s"], "itl_p50": s["itl_ms"]["p50"],
-                                   "tpot_p50": s["tpot_ms"]["p50"], "failed": s["failed"]})
-
-    def median(name: str, key: str):
-        values = [m[key] for m in measured[name] if m[key] is not None]
-        return statistics.median(values) if values else None
-
-    base = {k: median("greedy", k) for k in ("tok_s", "itl_p50", "tpot_p50")}
-    rows = []
-    for name in names:
-        m = {k: median(name, k) for k in base}
-        rows.append([name, num(m["tok_s"]), ratio(m["tok_s"], base["tok_s"], 3),
-                     num(m["itl_p50"], 2), ratio(m["itl_p50"], base["itl_p50"], 3),
-                     num(m["tpot_p50"], 2), ratio(m["tpot_p50"], base["tpot_p50"], 3),
-                     sum(x["failed"] for x in measured[name])])
-    headers = ["sampling", "out tok/s", "vs greedy", "ITL p50 ms", "vs greedy", "TPOT p50 ms",
-               "vs greedy", "failed"]
-    per_round = "; ".join(f"{n}: " + ", ".join(num(x["tok_s"]) for x in measured[n]) for n in names)
+    measured, cmds = rotated_rounds(run, {n: ([], flags) for n, flags in SAMPLING_CONFIGS.items()}, "sampling")
     body = (f"Disaggregated `isoserve serve` (every guard on), {p.model} {p.isoserve_dtypes}, "
             f"concurrency {p.guard_concurrency}, ~{p.prompt_tokens}-token prompts, "
             f"{p.output_tokens} output tokens (`ignore_eos`), greedy and sampled (OpenAI's "
             f"default is temperature 1; the sampled requests carry a seed). Each setting ran "
             f"{p.guard_rounds} time(s), in rotated order, each on a fresh server; the table shows "
-            f"medians.\n\n" + md_table(headers, rows) + f"\n\nOutput tok/s per round: {per_round}.")
-    cmds = [c for n in names for c in commands.get(n, [])]
+            f"medians.\n\n" + rotated_table(measured, "sampling", ROTATED_COLUMNS))
     return section("Greedy vs sampled decoding over HTTP", run, cmds, body)
 
 

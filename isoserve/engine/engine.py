@@ -53,6 +53,8 @@ class EngineStats:
 
 class Engine:
     def __init__(self, config: EngineConfig, checkpoint: Checkpoint | None = None):
+        if config.stream_interval < 1:  # before minutes of loading, not after
+            raise ValueError(f"stream_interval must be >= 1, got {config.stream_interval}")
         self.config = config
         auto = AutoInputs.of(config)
         dtype = parse_dtype(config.dtype, config.device, auto)
@@ -74,8 +76,6 @@ class Engine:
         self.model = LlamaModel(ckpt.config, ckpt.weights, dtype, config.device,
                                 max_positions=self.context_length, int4_max_rows=config.int4_max_rows,
                                 int8_activations=config.int8_activations, fused_kernels=config.fused_kernels)
-        if config.stream_interval < 1:
-            raise ValueError(f"stream_interval must be >= 1, got {config.stream_interval}")
         self.scheduler = Scheduler(self.allocator, config.page_size, config.max_num_seqs,
                                    config.max_batched_tokens)
         self.runner = ModelRunner(self.model, self.pool,

@@ -54,11 +54,16 @@ def _uniforms(seqs: list[Sequence]) -> torch.Tensor:
     return u
 
 
+def _temperatures(seqs: list[Sequence]) -> torch.Tensor:
+    """[R, 1] float32: each row's temperature, to divide its logits by (bfloat16 / float32 is
+    float32, so the division is also the one pass from the model's dtype)."""
+    return torch.tensor([s.params.temperature for s in seqs], dtype=torch.float32)[:, None]
+
+
 def _scaled_logits(logits: torch.Tensor, seqs: list[Sequence]) -> torch.Tensor:
-    """[R, V] float32 logits / temperature (a new tensor: one pass from the model's dtype), -inf
-    outside each row's top-k (ties with the k-th value stay in)."""
-    temperature = torch.tensor([s.params.temperature for s in seqs], dtype=torch.float32)[:, None]
-    x = torch.div(logits, temperature)  # bfloat16 / float32 is float32
+    """[R, V] float32 logits / temperature (a new tensor), -inf outside each row's top-k (ties
+    with the k-th value stay in)."""
+    x = torch.div(logits, _temperatures(seqs))
     vocab = x.shape[-1]
     ks = [s.params.top_k for s in seqs]
     rows = [r for r, k in enumerate(ks) if 0 < k < vocab]
@@ -88,8 +93,7 @@ def _draw_top_k(logits: torch.Tensor, seqs: list[Sequence], width: int,
     # The candidates by the logits as they are: dividing by a positive temperature keeps their
     # order, and only the candidates are then scaled (in float32, as the whole vocabulary would be).
     raw, ids = torch.topk(logits, width, dim=-1)
-    temperature = torch.tensor([s.params.temperature for s in seqs], dtype=torch.float32)[:, None]
-    values = torch.div(raw, temperature)
+    values = torch.div(raw, _temperatures(seqs))
     kth = values.gather(1, torch.tensor([s.params.top_k - 1 for s in seqs])[:, None])
     complete = values[:, -1] < kth[:, 0]
     probs = torch.softmax(values.masked_fill_(values < kth, float("-inf")), dim=-1)
@@ -98,9 +102,14 @@ def _draw_top_k(logits: torch.Tensor, seqs: list[Sequence], width: int,
     return _draw_prefix(probs, ids, top_p, u), complete
 
 
-def _select(t: torch.Tensor, rows: torch.Tensor) -> torch.Tensor:
-    """t's rows where the mask `rows` is set; t itself (no copy) where it is set everywhere."""
-    return t if bool(rows.all()) else t[rows]
+def _select(t: torch.Tensor, rows) -> torch.Tensor:
+    """t's rows: a mask over them, or their ascending, distinct indices (a list or a tensor);
+    t itself (no copy) where they are all of its rows."""
+    if isinstance(rows, torch.Tensor) and rows.dtype == torch.bool:
+        every = bool(rows.all())
+    else:
+        every = len(rows) == len(t)
+    return t if every else t[rows]
 
 
 def _inverse_cdf(weights: torch.Tensor, u: torch.Tensor) -> torch.Tensor:
@@ -144,7 +153,7 @@ def _draw_nucleus(probs: torch.Tensor, top_p: torch.Tensor, u: torch.Tensor) -> 
     tokens = torch.empty(len(u), dtype=torch.long)
     pending = torch.arange(len(u))
     for width in NUCLEUS_CANDIDATES + (vocab,):
-        rows = probs if len(pending) == len(probs) else probs[pending]
+        rows = _select(probs, pending)
         if width < vocab:
             values, ids = torch.topk(rows, width, dim=-1)
             # The prefix runs past the candidates where their running sum (the one the prefix
@@ -171,14 +180,12 @@ def _draw(logits: torch.Tensor, seqs: list[Sequence]) -> torch.Tensor:
     rest = [r for r, w in enumerate(widths) if w is None]
     for width in sorted(set(widths) - {None}):
         rows = [r for r, w in enumerate(widths) if w == width]
-        drawn, complete = _draw_top_k(logits if len(rows) == len(seqs) else logits[rows],
-                                      [seqs[r] for r in rows], width, u[rows])
+        drawn, complete = _draw_top_k(_select(logits, rows), [seqs[r] for r in rows], width, u[rows])
         tokens[rows] = drawn
         rest += [r for r, ok in zip(rows, complete.tolist()) if not ok]
     if rest:
         rest.sort()
-        tokens[rest] = _draw_vocabulary(logits if len(rest) == len(seqs) else logits[rest],
-                                        [seqs[r] for r in rest], u[rest])
+        tokens[rest] = _draw_vocabulary(_select(logits, rest), [seqs[r] for r in rest], u[rest])
     return tokens
 
 
@@ -208,14 +215,13 @@ def sample(logits: torch.Tensor, seqs: list[Sequence], argmax: Callable[[torch.T
     if sampled:
         # On the CPU: a seeded torch.Generator lives there, and only these rows need it.
         tokens = tokens.cpu()
-        rows = logits if len(sampled) == len(seqs) else logits[sampled]
-        tokens[sampled] = _draw(rows.cpu(), [seqs[r] for r in sampled])
+        tokens[sampled] = _draw(_select(logits, sampled).cpu(), [seqs[r] for r in sampled])
     token_list = tokens.tolist()
     want = [s.params.logprobs is not None for s in seqs]
     logprobs: list[TokenLogprob | None] = [None] * len(seqs)
     if any(want):
         rows = [i for i, w in enumerate(want) if w]
-        lp = torch.log_softmax((logits if len(rows) == len(seqs) else logits[rows]).float(), dim=-1)
+        lp = torch.log_softmax(_select(logits, rows).float(), dim=-1)
         k = max(seqs[i].params.logprobs for i in rows)
         top_v, top_i = lp.topk(max(k, 1), dim=-1)
         for j, i in enumerate(rows):
