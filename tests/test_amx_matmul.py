@@ -16,6 +16,7 @@ from isoserve.engine.llm import LLM
 from isoserve.kernels import cpu_ops
 from isoserve.model import amx, int4, q8_0
 from isoserve.model.loader import load_checkpoint
+from isoserve.model.projection import Projection
 from tiny_models import HAS_AMX
 
 BF16_ULP = 2.0 ** -7
@@ -215,3 +216,54 @@ def test_the_weight_takes_a_strided_input_as_the_bfloat16_path_does(fmt):
     y = _run_or_refusal(lambda: weight.matmul(wide[:, ::2]))
     if y is not None:
         assert torch.equal(y, weight.matmul(wide[:, ::2].contiguous()))
+
+
+def _gate_up(outputs: int, cols: int, seed: int):
+    """(gate part, up part) of random Q4_1 blocks, each [outputs, cols], as the loader gives them."""
+    g = torch.Generator().manual_seed(seed)
+    parts = []
+    for _ in range(2):
+        codes = torch.randint(0, 16, (outputs, cols), generator=g, dtype=torch.uint8)
+        d = (torch.randn(outputs, cols // 32, generator=g) * 0.05).half()
+        m = (torch.randn(outputs, cols // 32, generator=g) * 0.2).half()
+        parts.append((int4._pack(codes), d, m))
+    return parts
+
+
+@pytest.mark.parametrize("rows", [1, 3, 16, 17, 32, 33])
+def test_the_gate_up_kernel_gives_silu_mul_of_the_projection_bit_for_bit(rows):
+    # silu(x G^T) * (x U^T) in the pair's epilogue: exactly the plain kernel's [gate; up] output
+    # then silu_mul, for one A tile, two, and more than one pass of 32 rows.
+    ops = cpu_ops()
+    parts = _gate_up(96, 128, seed=rows)
+    fused, plain = amx.AmxQ4SwigluWeight.from_companions(parts, ops), amx.AmxQ4Weight.from_companions(parts, ops)
+    assert fused.fuses_swiglu and fused.out_features == 192
+    x = (torch.randn(rows, 128, generator=torch.Generator().manual_seed(200 + rows)) * 3).to(torch.bfloat16)
+    y = _run_or_refusal(lambda: fused.swiglu(x))
+    if y is None:
+        return
+    expected = ops.silu_mul(plain.matmul(x))
+    assert y.shape == (rows, 96)
+    assert torch.equal(y, expected)
+    # Through a Projection: swiglu takes the kernel; a plain call multiplies by the dense weight.
+    dense = torch.cat([int4.dequantize({"w" + s: t for s, t in zip(int4.COMPANIONS, p)}, "w") for p in parts])
+    projection = Projection(dense.to(torch.bfloat16), None, [(32, fused)])
+    if rows <= 32:
+        assert torch.equal(projection.swiglu(x, ops.silu_mul), expected)
+    torch.testing.assert_close(projection(x).float(), torch.nn.functional.linear(x, dense.to(torch.bfloat16)).float(),
+                               rtol=2 * BF16_ULP, atol=1e-2)
+    with pytest.raises(TypeError, match="not x W"):
+        fused.matmul(x)
+
+
+def test_the_gate_up_kernel_takes_only_a_gate_and_an_up_of_whole_blocks():
+    ops = cpu_ops()
+    parts = _gate_up(24, 64, seed=1)  # 48 outputs: 24 is no whole number of 16-row blocks
+    assert amx.AmxQ4SwigluWeight.from_companions(parts, ops) is None
+    assert amx.AmxQ4SwigluWeight.from_companions(_gate_up(32, 64, seed=2)[:1], ops) is None  # not a gate and an up
+
+
+def test_the_default_model_gate_up_takes_the_swiglu_kernel_where_amx_runs(isoserve_cache):
+    llm = LLM(dtype="bfloat16", cache_dir=str(isoserve_cache))
+    kinds = [type(q).__name__ for _, q in llm.engine.model.layers[0].gate_up.tiers]
+    assert kinds == (["Int4Weight", "AmxQ4SwigluWeight"] if HAS_AMX else ["Int4Weight"])

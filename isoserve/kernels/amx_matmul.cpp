@@ -23,6 +23,12 @@
 //     high half), then 16 d and 16 m as float16.
 //   Q8_0 block (544 bytes): 16 lines of 32 int8 codes (the low half, then the high half), then
 //     16 d as float16.
+//
+// SwiGLU (q4_1_swiglu): a merged gate-up weight whose pairs are 16 gate rows and the same 16
+// outputs' up rows (model/amx.py orders them) gives silu(gate) * up in the pair's epilogue,
+// from the gate and up values rounded to bfloat16 as q4_1_linear stores them and by
+// silu_mul's own steps (bf16x16.h), so the result is silu_mul(q4_1_linear(...)) to the bit.
+// One kernel call per layer instead of two, and the [rows, 2n] gate-up never goes to memory.
 #include <torch/extension.h>
 #include <ATen/Parallel.h>
 
@@ -35,6 +41,7 @@
 #include <string>
 
 #include "amx.h"
+#include "bf16x16.h"
 
 namespace {
 
@@ -129,8 +136,31 @@ struct Q8_0 {
   }
 };
 
-// Output columns [32 * pair_begin, 32 * pair_end) of y, for every row of x.
-template <typename Format>
+// What a pair's 32 accumulated outputs of a row become: themselves (32 columns of y), or
+// silu(gate) * up of its 16 gate and 16 up outputs (16 columns).
+enum class Epilogue { kLinear, kSwiglu };
+
+template <Epilogue E>
+ISOSERVE_AMX inline void store_pair_row(const float* acc_row, uint16_t* y_row, int64_t pair) {
+  const __m512i rounded = reinterpret_cast<__m512i>(
+      _mm512_cvtne2ps_pbh(_mm512_load_ps(acc_row + 16), _mm512_load_ps(acc_row)));
+  if constexpr (E == Epilogue::kLinear) {
+    _mm512_storeu_si512(reinterpret_cast<__m512i*>(y_row + 32 * pair), rounded);
+  } else {
+#if ISOSERVE_BF16X16
+    using namespace isoserve;
+    const __m512 gate = widen_bf16x16(_mm512_castsi512_si256(rounded));
+    const __m512 up = widen_bf16x16(_mm512_extracti64x4_epi64(rounded, 1));
+    const __m512 one = _mm512_set1_ps(1.0f), sign = _mm512_set1_ps(-0.0f);
+    const __m512 silu = round_bf16x16_ftz(_mm512_div_ps(gate, _mm512_add_ps(one, exp16(_mm512_xor_ps(gate, sign)))));
+    store_bf16x16_ftz(y_row + 16 * pair, _mm512_mul_ps(silu, up));
+#endif
+  }
+}
+
+// Output columns [32 * pair_begin, 32 * pair_end) of x W^T (the columns of pairs
+// [pair_begin, pair_end) of the SwiGLU), for every row of x. y has N columns (N / 2 for SwiGLU).
+template <typename Format, Epilogue E = Epilogue::kLinear>
 ISOSERVE_AMX void linear_columns(const uint16_t* x, int64_t rows, int64_t K, const uint8_t* blocks,
                                uint16_t* y, int64_t N, int64_t pair_begin, int64_t pair_end) {
   const int64_t k_blocks = K / 32;
@@ -179,11 +209,8 @@ ISOSERVE_AMX void linear_columns(const uint16_t* x, int64_t rows, int64_t K, con
         _tile_stored(2, acc + 512, 128);
         _tile_stored(3, acc + 512 + 16, 128);
       }
-      for (int i = 0; i < rows0 + rows1; ++i) {
-        const __m512 first = _mm512_load_ps(acc + 32 * i), second = _mm512_load_ps(acc + 32 * i + 16);
-        _mm512_storeu_si512(reinterpret_cast<__m512i*>(y + (m0 + i) * N + 32 * pair),
-                            reinterpret_cast<__m512i>(_mm512_cvtne2ps_pbh(second, first)));
-      }
+      const int64_t y_stride = E == Epilogue::kLinear ? N : N / 2;
+      for (int i = 0; i < rows0 + rows1; ++i) store_pair_row<E>(acc + 32 * i, y + (m0 + i) * y_stride, pair);
     }
   }
   _tile_release();  // hand the tile state back: a thread holding it costs every context switch
@@ -199,9 +226,9 @@ std::string amx_status() {
 
 namespace {
 
-template <typename Format>
-torch::Tensor amx_linear(const torch::Tensor& x, const torch::Tensor& blocks, int64_t out_features) {
-  const char* name = Format::kName;
+template <typename Format, Epilogue E = Epilogue::kLinear>
+torch::Tensor amx_linear(const torch::Tensor& x, const torch::Tensor& blocks, int64_t out_features,
+                         const char* name = Format::kName) {
   TORCH_CHECK(amx_status().empty(), name, " needs AMX: ", amx_status());
   TORCH_CHECK(x.device().is_cpu() && x.scalar_type() == at::kBFloat16 && x.is_contiguous() && x.dim() == 2,
               name, " takes x as a contiguous bfloat16 CPU tensor [rows, in_features]");
@@ -212,13 +239,13 @@ torch::Tensor amx_linear(const torch::Tensor& x, const torch::Tensor& blocks, in
               name, " needs in and out features that are multiples of 32, got ", K, " and ", N);
   TORCH_CHECK(blocks.numel() == (N / 16) * (K / 32) * Format::kBlockBytes,
               name, ": ", blocks.numel(), " bytes of blocks do not make a [", N, ", ", K, "] weight");
-  auto y = torch::empty({rows, N}, x.options());
+  auto y = torch::empty({rows, E == Epilogue::kLinear ? N : N / 2}, x.options());
   if (rows == 0) return y;
   const auto* xp = reinterpret_cast<const uint16_t*>(x.data_ptr<at::BFloat16>());
   auto* yp = reinterpret_cast<uint16_t*>(y.data_ptr<at::BFloat16>());
   const uint8_t* bp = blocks.data_ptr<uint8_t>();
   at::parallel_for(0, N / 32, 1, [&](int64_t begin, int64_t end) {
-    linear_columns<Format>(xp, rows, K, bp, yp, N, begin, end);
+    linear_columns<Format, E>(xp, rows, K, bp, yp, N, begin, end);
   });
   return y;
 }
@@ -227,6 +254,14 @@ torch::Tensor amx_linear(const torch::Tensor& x, const torch::Tensor& blocks, in
 
 torch::Tensor q4_1_linear(const torch::Tensor& x, const torch::Tensor& blocks, int64_t out_features) {
   return amx_linear<Q4_1>(x, blocks, out_features);
+}
+
+torch::Tensor q4_1_swiglu(const torch::Tensor& x, const torch::Tensor& blocks, int64_t out_features) {
+#if ISOSERVE_BF16X16
+  return amx_linear<Q4_1, Epilogue::kSwiglu>(x, blocks, out_features, "q4_1_swiglu");
+#else
+  TORCH_CHECK(false, "q4_1_swiglu: these kernels were built without AVX-512");
+#endif
 }
 
 torch::Tensor q8_0_linear(const torch::Tensor& x, const torch::Tensor& blocks, int64_t out_features) {

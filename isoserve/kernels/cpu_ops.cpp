@@ -975,6 +975,7 @@ std::vector<std::pair<int64_t, int64_t>> check_reads(
 // amx_matmul.cpp
 std::string amx_status();
 torch::Tensor q4_1_linear(const torch::Tensor& x, const torch::Tensor& blocks, int64_t out_features);
+torch::Tensor q4_1_swiglu(const torch::Tensor& x, const torch::Tensor& blocks, int64_t out_features);
 torch::Tensor q8_0_linear(const torch::Tensor& x, const torch::Tensor& blocks, int64_t out_features);
 // vector_matmul.cpp
 std::string vector_status();
@@ -1018,6 +1019,9 @@ PYBIND11_MODULE(TORCH_EXTENSION_NAME, m) {
   m.def("amx_status", &amx_status, "'' when q4_1_linear can run on this machine, else why not");
   m.def("q4_1_linear", &q4_1_linear, "x W^T for Q4_1 weight blocks (model/amx.py), on AMX",
         py::arg("x"), py::arg("blocks"), py::arg("out_features"));
+  m.def("q4_1_swiglu", &q4_1_swiglu,
+        "silu(x G^T) * (x U^T) for a gate-up weight of Q4_1 blocks in pairs of 16 gate and 16 up "
+        "rows (model/amx.py), on AMX", py::arg("x"), py::arg("blocks"), py::arg("out_features"));
   m.def("q8_0_linear", &q8_0_linear, "x W^T for Q8_0 weight blocks (model/amx.py), on AMX",
         py::arg("x"), py::arg("blocks"), py::arg("out_features"));
   m.def("vector_status", &vector_status, "'' when q4_1_linear_f32 can run on this machine, else why not");

@@ -13,6 +13,9 @@ the pair's two blocks. Line r of a block holds inputs 2r and 2r + 1 of its 16 ro
 low half (rows 0-7) and a high half (rows 8-15); within a half, position i is row i // 2 at
 input 2r + i % 2. Q4_1: the halves are the low and high nibbles of 16 bytes, then 16 d and
 16 m as float16. Q8_0: the halves are two runs of 16 int8 codes, then 16 d as float16.
+
+A merged gate-up weight for the SwiGLU kernel (AmxQ4SwigluWeight) has its rows reordered first,
+so that each pair is 16 gate outputs and the same 16 outputs' up rows.
 """
 from __future__ import annotations
 
@@ -88,6 +91,43 @@ class AmxQ4Weight:
         """x [M, K] bfloat16 @ W^T -> [M, N]. (The kernel takes rows as they lie: a strided x
         is copied once here, as the bfloat16 path copies it.)"""
         return self.kernels.q4_1_linear(x.contiguous(), self.blocks, self.out_features)
+
+
+def gate_up_pairs(rows: int) -> torch.Tensor:
+    """Row order of a merged [gate; up] weight of `rows` rows for q4_1_swiglu: 16 gate rows,
+    then the up rows of the same 16 outputs, and so on."""
+    n = rows // 2
+    gate = torch.arange(n).view(n // 16, 16)
+    return torch.stack([gate, gate + n], dim=1).flatten()
+
+
+@dataclass
+class AmxQ4SwigluWeight(AmxQ4Weight):
+    """A merged gate-up weight for q4_1_swiglu: `swiglu(x)` is silu(x G^T) * (x U^T) in one
+    kernel call, equal to silu_mul of the plain kernel's output to the bit. It has no plain
+    x W^T: Projection multiplies by its dense weight instead."""
+    name = "AMX with SwiGLU"
+    fuses_swiglu = True
+
+    @classmethod
+    def from_companions(cls, parts: list[tuple[torch.Tensor, torch.Tensor, torch.Tensor]],
+                        kernels) -> AmxQ4SwigluWeight | None:
+        """From the (codes, d, m) of the gate and the up projection; None where the kernel cannot
+        take the shape (halves of whole 16-row blocks, pairs of 32 rows)."""
+        if len(parts) != 2 or parts[0][0].shape != parts[1][0].shape:
+            return None
+        codes, d, m = merge(parts)
+        if codes.shape[0] % 32 or not _fits(*codes.shape):
+            return None
+        order = gate_up_pairs(codes.shape[0])
+        return cls(q4_1_blocks(codes[order], d[order], m[order]), codes.shape[0], kernels)
+
+    def matmul(self, x: torch.Tensor) -> torch.Tensor:
+        raise TypeError("a SwiGLU gate-up weight gives silu(gate) * up (swiglu), not x W^T")
+
+    def swiglu(self, x: torch.Tensor) -> torch.Tensor:
+        """x [M, K] bfloat16 -> silu(x G^T) * (x U^T) [M, N / 2]."""
+        return self.kernels.q4_1_swiglu(x.contiguous(), self.blocks, self.out_features)
 
 
 @dataclass

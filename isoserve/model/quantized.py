@@ -21,7 +21,7 @@ from __future__ import annotations
 import torch
 
 from isoserve.model import q8_0
-from isoserve.model.amx import AmxQ4Weight, AmxQ8Weight, amx_unavailable
+from isoserve.model.amx import AmxQ4SwigluWeight, AmxQ4Weight, AmxQ8Weight, amx_unavailable
 from isoserve.model.int8_blocks import Int8Q4SwigluWeight, Int8Q4Weight, Int8Q8Weight, int8_unavailable
 from isoserve.model.int4 import COMPANIONS as Q4_1_COMPANIONS, Int4Weight
 from isoserve.model.vector_blocks import VectorQ4Weight, VectorQ8Weight, vector_unavailable
@@ -38,7 +38,7 @@ VECTOR_DEFAULT_MAX_ROWS = 512  # float32: up to here the AVX2 block kernels beat
 # and 808; 2,048 rows 1.48 s against 2.65 and 2.83.
 INT8_DEFAULT_MAX_ROWS = EVERY_STEP = 2**62
 
-Weight = (AmxQ4Weight | AmxQ8Weight | Int4Weight | VectorQ4Weight | VectorQ8Weight | Int8Q4Weight
+Weight = (AmxQ4Weight | AmxQ4SwigluWeight | AmxQ8Weight | Int4Weight | VectorQ4Weight | VectorQ8Weight | Int8Q4Weight
           | Int8Q4SwigluWeight | Int8Q8Weight)
 Tier = tuple[int, Weight]  # (most rows, weight)
 
@@ -97,7 +97,8 @@ def q4_tiers(parts: list[tuple[torch.Tensor, torch.Tensor, torch.Tensor]], dtype
              gate_up: bool = False) -> list[Tier]:
     """A projection's tiers from its Q4_1 (codes, d, m) parts; [] where none applies.
     int8_activations: in float32, None or True takes the int8 kernel where it runs.
-    gate_up: the parts are a gate and an up projection; the int8 kernel then computes SwiGLU too."""
+    gate_up: the parts are a gate and an up projection; the int8 or AMX kernel then computes
+    SwiGLU too."""
     if max_rows == 0:
         return []
     if dtype == torch.float32 and vector_unavailable(kernels) == "":
@@ -112,7 +113,8 @@ def q4_tiers(parts: list[tuple[torch.Tensor, torch.Tensor, torch.Tensor]], dtype
     amx = None  # built only where it takes rows torch's kernel does not
     if amx_unavailable(kernels) == "" and (torch_int4 is None or max_rows is None
                                            or max_rows > TORCH_ON_AMX_MAX_ROWS):
-        amx = AmxQ4Weight.from_companions(parts, kernels)
+        amx = ((AmxQ4SwigluWeight.from_companions(parts, kernels) if gate_up else None)
+               or AmxQ4Weight.from_companions(parts, kernels))
     if amx is None:
         rows = TORCH_DEFAULT_MAX_ROWS if max_rows is None else max_rows
         return [(rows, torch_int4)] if torch_int4 is not None else []
