@@ -261,6 +261,9 @@ def test_the_gate_up_kernel_takes_only_a_gate_and_an_up_of_whole_blocks():
     parts = _gate_up(24, 64, seed=1)  # 48 outputs: 24 is no whole number of 16-row blocks
     assert amx.AmxQ4SwigluWeight.from_companions(parts, ops) is None
     assert amx.AmxQ4SwigluWeight.from_companions(_gate_up(32, 64, seed=2)[:1], ops) is None  # not a gate and an up
+    gate, up = _gate_up(48, 64, seed=3)  # 48 + 16 rows would make whole pairs: only the shapes differ
+    narrow_up = tuple(t[:16] for t in up)
+    assert amx.AmxQ4SwigluWeight.from_companions([gate, narrow_up], ops) is None  # halves of different sizes
 
 
 def test_the_default_model_gate_up_takes_the_swiglu_kernel_where_amx_runs(isoserve_cache):

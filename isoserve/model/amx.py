@@ -117,7 +117,7 @@ class AmxQ4SwigluWeight(AmxQ4Weight):
         if len(parts) != 2 or parts[0][0].shape != parts[1][0].shape:
             return None
         codes, d, m = merge(parts)
-        if codes.shape[0] % 32 or not _fits(*codes.shape):
+        if not _fits(*codes.shape):  # whole pairs of 32 rows: each half whole 16-row blocks
             return None
         order = gate_up_pairs(codes.shape[0])
         return cls(q4_1_blocks(codes[order], d[order], m[order]), codes.shape[0], kernels)

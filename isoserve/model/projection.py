@@ -60,7 +60,7 @@ class Projection:
 
     def swiglu(self, x: torch.Tensor, silu_mul) -> torch.Tensor:
         """silu(gate) * up of this merged [gate; up] projection: one kernel call where the step's
-        weight computes both (model/int8_blocks.py; it adds no bias), else the projection and then
+        weight computes both (model/int8_blocks.py, model/amx.py; it adds no bias), else the projection and then
         silu_mul."""
         q4 = self.quantized_for(x.shape[0])
         if getattr(q4, "fuses_swiglu", False) and self.bias is None:
