@@ -332,6 +332,28 @@ def test_client_that_stops_reading_a_stream_gets_its_request_aborted(slow_url, k
     assert r.status_code == 200
 
 
+def test_a_client_that_keeps_up_has_no_write_timed(slow_url, keys, monkeypatch):
+    """The send timeout arms a timer only while the connection's writing is paused (the test
+    above takes that path): a stream read as it comes sets none, where it used to set one per
+    token. Counted by wrapping asyncio.timeout for the send timeout's delay."""
+    import asyncio
+    timed = []
+    real_timeout = asyncio.timeout
+
+    def counting_timeout(delay):
+        if delay == SEND_TIMEOUT:
+            timed.append(delay)
+        return real_timeout(delay)
+
+    monkeypatch.setattr(asyncio, "timeout", counting_timeout)
+    body = {"model": MODEL, "prompt": "Once", "max_tokens": 24, "ignore_eos": True, "stream": True}
+    with httpx.stream("POST", slow_url + "/v1/completions", json=body, timeout=60,
+                      headers={"Authorization": f"Bearer {keys['alice']}"}) as r:
+        events = [line for line in r.iter_lines() if line.startswith("data: ")]
+    assert r.status_code == 200 and events[-1] == "data: [DONE]" and len(events) >= 2
+    assert timed == []
+
+
 # ---- the request head: line and headers within MAX_HEADER_BYTES -------------------------------
 
 def _head(key: str, padding: int, end: bool = True) -> bytes:

@@ -7,6 +7,11 @@ httptools (llhttp, in C) took the router from 2.4 to 1.9 CPU-s per 128 streamed 
 a 32-concurrent run from 884 / 906 / 930 to 877 / 947 / 1,000 tok/s (alternating fresh servers;
 docs/benchmarks.md).
 
+Why the write flow in the scope: the app bounds how long each response write may wait for the
+client (app.py's _SlowClients), and uvicorn's send waits only while the connection's writing is
+paused. Under SCOPE_WRITE_FLOW the app finds the connection's FlowControl and sets a timer only
+then, not once per streamed token.
+
 Why the bound: h11 bounded the request line plus headers (its max_incomplete_event_size);
 llhttp has no such limit, and a client could grow a header for as long as the body timeout
 allows. Here a request whose line and headers exceed MAX_HEADER_BYTES gets 431
@@ -26,6 +31,7 @@ from isoserve.errors import HeadersTooLarge
 from isoserve.server.limits import MAX_HEADER_BYTES
 
 LINGER_S = 2.0  # how long a refused client's remaining bytes are read and dropped
+SCOPE_WRITE_FLOW = "isoserve.write_flow"  # the connection's uvicorn FlowControl (write_paused)
 
 _ERROR = HeadersTooLarge(f"The request line and headers exceed {MAX_HEADER_BYTES} bytes.")
 _BODY = json.dumps(_ERROR.to_openai()).encode()
@@ -60,6 +66,7 @@ class BoundedHeadProtocol(HttpToolsProtocol):
 
     def on_message_begin(self) -> None:
         super().on_message_begin()
+        self.scope[SCOPE_WRITE_FLOW] = self.flow
         self._fields = 16  # the request line's method, version, spaces and CRLF, about
 
     def on_url(self, url: bytes) -> None:
