@@ -21,6 +21,7 @@ import torch
 
 from swiglu_kernel import KERNELS, layers
 
+
 def spin_in_bursts(period_us: float, burst_us: float, started) -> None:
     """Forever: sleep `period_us`, then keep the CPU busy for `burst_us` (as the router does after
     each decode step's outputs arrive)."""

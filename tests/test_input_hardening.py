@@ -5,6 +5,7 @@ reading) cannot hold a request, its KV pages or its connection beyond the timeou
 The real app on a real engine (tiny random Llama) over real sockets, as in test_http_api."""
 from __future__ import annotations
 
+import asyncio
 import json
 import os
 import socket
@@ -336,7 +337,6 @@ def test_a_client_that_keeps_up_has_no_write_timed(slow_url, keys, monkeypatch):
     """The send timeout arms a timer only while the connection's writing is paused (the test
     above takes that path): a stream read as it comes sets none, where it used to set one per
     token. Counted by wrapping asyncio.timeout for the send timeout's delay."""
-    import asyncio
     timed = []
     real_timeout = asyncio.timeout
 
