@@ -9,13 +9,26 @@ from __future__ import annotations
 
 import hashlib
 import hmac
-import json
+import math
 import os
 import secrets
 import time
 from dataclasses import dataclass, field
 
+import orjson
+
 MAX_CLOCK_SKEW_S = 300.0  # older (or future) messages are replays or a broken clock: dropped
+
+
+def logprob_to_wire(value: float) -> float | None:
+    """A log-probability as the header carries it: JSON has no -Infinity (orjson would write
+    null for it, and for NaN, without a word), so a token the model rules out travels as null
+    explicitly and logprob_from_wire makes it -inf again."""
+    return value if math.isfinite(value) else None
+
+
+def logprob_from_wire(value: float | None) -> float:
+    return -math.inf if value is None else value
 
 
 class Unauthenticated(Exception):
@@ -38,9 +51,10 @@ class Signer:
         self.sender = sender
 
     def pack(self, kind: str, body: dict, payload: list | None = None) -> list:
-        header = json.dumps({"kind": kind, "sender": self.sender, "time": time.time(),
-                             "nonce": secrets.token_hex(8), "body": body},
-                            separators=(",", ":")).encode()
+        # orjson: a decode step's outputs message (one entry per running request) is packed on
+        # the worker's main thread between steps, and unpacked on the router's one core.
+        header = orjson.dumps({"kind": kind, "sender": self.sender, "time": time.time(),
+                               "nonce": secrets.token_hex(8), "body": body}, option=orjson.OPT_NON_STR_KEYS)
         return [header, hmac.new(self._secret, header, hashlib.sha256).digest(), *(payload or [])]
 
     def unpack(self, frames: list) -> Message:
@@ -50,7 +64,7 @@ class Signer:
         expected = hmac.new(self._secret, header, hashlib.sha256).digest()
         if not hmac.compare_digest(mac, expected):
             raise Unauthenticated("bad signature")
-        data = json.loads(header)
+        data = orjson.loads(header)
         if abs(time.time() - data["time"]) > MAX_CLOCK_SKEW_S:
             raise Unauthenticated("stale message")
         return Message(data["kind"], data["sender"], data["body"], list(frames[2:]))

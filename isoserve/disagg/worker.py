@@ -28,7 +28,7 @@ from isoserve.admission import check_prompt_fits
 from isoserve.config import EngineConfig, dtype_name
 from isoserve.disagg.cores import TURN_POLL_MS, CoreShare, StepCores
 from isoserve.disagg.roles import AggregatedRole, DecodeRole, PrefillRole, Role
-from isoserve.disagg.wire import Signer, Unauthenticated
+from isoserve.disagg.wire import Signer, Unauthenticated, logprob_to_wire
 from isoserve.engine.engine import Engine
 from isoserve.errors import IsoserveError
 
@@ -270,7 +270,7 @@ class Worker:
 
 def output_to_wire(o) -> dict:
     return {"request_id": o.request_id, "token_ids": o.new_token_ids,
-            "logprobs": [logprob_to_wire(lp) for lp in o.new_logprobs], "text": o.new_text,
+            "logprobs": [token_logprob_to_wire(lp) for lp in o.new_logprobs], "text": o.new_text,
             "finished": o.finished, "finish_reason": o.finish_reason,
             "error": o.error.to_wire() if o.error else None,
             "prompt_tokens": o.num_prompt_tokens, "output_tokens": o.num_output_tokens}
@@ -281,5 +281,8 @@ def error_to_wire(request_id: str, error: IsoserveError) -> dict:
             "finish_reason": "error", "error": error.to_wire(), "prompt_tokens": 0, "output_tokens": 0}
 
 
-def logprob_to_wire(lp) -> dict | None:
-    return None if lp is None else {"token_id": lp.token_id, "logprob": lp.logprob, "top": lp.top}
+def token_logprob_to_wire(lp) -> dict | None:
+    if lp is None:
+        return None
+    return {"token_id": lp.token_id, "logprob": logprob_to_wire(lp.logprob),
+            "top": [(t, logprob_to_wire(v)) for t, v in lp.top]}

@@ -17,7 +17,7 @@ import zmq
 import zmq.asyncio
 
 from isoserve.admission import check_prompt_fits, effective_prompt_limit
-from isoserve.disagg.wire import Signer, Unauthenticated
+from isoserve.disagg.wire import Signer, Unauthenticated, logprob_from_wire
 from isoserve.disagg.worker import ALIVE_SUFFIX, STEP_US_WITH_THREADS, STEPS_WITH_THREADS
 from isoserve.engine.deadlines import Deadlines
 from isoserve.engine.engine import RequestOutput
@@ -413,8 +413,8 @@ def _error_output(rid: str, error: IsoserveError) -> RequestOutput:
 
 
 def _output_from_wire(o: dict) -> RequestOutput:
-    logprobs = [None if lp is None else TokenLogprob(lp["token_id"], lp["logprob"],
-                                                     [tuple(t) for t in lp["top"]])
+    logprobs = [None if lp is None else TokenLogprob(lp["token_id"], logprob_from_wire(lp["logprob"]),
+                                                     [(t, logprob_from_wire(v)) for t, v in lp["top"]])
                 for lp in o["logprobs"]]
     error = error_from_wire(o["error"]) if o["error"] else None
     return RequestOutput(o["request_id"], o["token_ids"], logprobs, o["text"], o["finished"],
