@@ -6,7 +6,8 @@ import math
 
 import pytest
 
-from isoserve.disagg.wire import Signer, Unauthenticated
+from isoserve.disagg.manifest import Manifest, PageRecord
+from isoserve.disagg.wire import Signer, Unauthenticated, token_logprob_from_wire, token_logprob_to_wire
 from isoserve.disagg.worker import output_to_wire
 from isoserve.engine.engine import RequestOutput
 from isoserve.engine.sequence import TokenLogprob
@@ -38,6 +39,18 @@ def test_a_token_ruled_out_keeps_its_minus_infinity():
     assert back.new_logprobs[0].logprob == -math.inf
     assert back.new_logprobs[0].top == [(9, -0.01), (5, -math.inf)]
     assert back == output
+
+
+def test_a_kv_manifest_keeps_the_first_tokens_minus_infinity():
+    # The prefill worker sends the first token's logprob to the decode worker in the manifest;
+    # a null there became a TokenLogprob of None, and the decode worker died sending it on.
+    first = TokenLogprob(5, -math.inf, [(7, -0.1), (5, -math.inf)])
+    sent = Manifest("r5", 17, 16, [PageRecord(0, 16, 3, 1, 99), PageRecord(1, 1, 3, 1, 42)], 5,
+                    token_logprob_to_wire(first), 1.5, 0, "bfloat16")
+    frames = Signer(SECRET, "prefill-0").pack("kv", sent.to_wire())
+    received = Manifest.from_wire(Signer(SECRET, "decode-0").unpack(frames).body)
+    assert token_logprob_from_wire(received.first_logprob) == first
+    assert (received.pages, received.first_token, received.kv_dtype) == (sent.pages, 5, "bfloat16")
 
 
 def test_a_header_changed_in_flight_is_refused():

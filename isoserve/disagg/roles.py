@@ -15,9 +15,10 @@ from isoserve.disagg.bursts import PromptGather, TransferBurst
 from isoserve.disagg.manifest import (Manifest, TransferRejected, apply_transfer_faults,
                                       build_manifest, verify_transfer, write_transfer)
 from isoserve.disagg.transport import ZmqKVReceiver, ZmqKVSender
+from isoserve.disagg.wire import token_logprob_from_wire, token_logprob_to_wire
 from isoserve.engine.deadlines import Deadlines
 from isoserve.engine.sampling_params import SamplingParams
-from isoserve.engine.sequence import Status, TokenLogprob
+from isoserve.engine.sequence import Status
 from isoserve.errors import (ContextLengthExceeded, IsoserveError, KVIsolationViolation,
                              KVTransferIncomplete, WorkerUnavailable)
 from isoserve.kv.allocator import OutOfPages
@@ -174,7 +175,7 @@ class PrefillRole(Role):
                 f"request {rid} would send KV it does not own ({violation.describe()})"))
             return
         lp = seq.logprobs[0]
-        first_lp = None if lp is None else {"logprob": lp.logprob, "top": lp.top}
+        first_lp = token_logprob_to_wire(lp)
         delay_ms = failpoints.FAILPOINTS.value("transfer.delay_ms")
         if delay_ms:
             time.sleep(delay_ms / 1000)
@@ -304,10 +305,7 @@ class DecodeRole(Role):
             self.engine.fail(rid, KVIsolationViolation(
                 f"request {rid} would decode over KV it does not own ({violation.describe()})"))
             return
-        lp = manifest.first_logprob
-        first_lp = None if lp is None else TokenLogprob(manifest.first_token, lp["logprob"],
-                                                        [tuple(t) for t in lp["top"]])
-        self.engine.start_decoding(seq, manifest.first_token, first_lp)
+        self.engine.start_decoding(seq, manifest.first_token, token_logprob_from_wire(manifest.first_logprob))
 
     def abort(self, request_id: str) -> None:
         self.deadlines.pop(request_id, None)

@@ -17,17 +17,34 @@ from dataclasses import dataclass, field
 
 import orjson
 
+from isoserve.engine.sequence import TokenLogprob
+
 MAX_CLOCK_SKEW_S = 300.0  # older (or future) messages are replays or a broken clock: dropped
 
 
-def logprob_to_wire(value: float) -> float | None:
-    """A log-probability as the header carries it: JSON has no -Infinity (orjson would write
-    null for it, and for NaN, without a word), so a token the model rules out travels as null
-    explicitly and logprob_from_wire makes it -inf again."""
+def token_logprob_to_wire(lp: TokenLogprob | None) -> dict | None:
+    """A token's logprob and its top list as a header carries them (the outputs message, and the
+    first token's in a KV manifest). JSON has no -Infinity, and orjson writes null for it and for
+    NaN without a word: a value that is not finite travels as null on purpose, and
+    token_logprob_from_wire makes it -inf again."""
+    if lp is None:
+        return None
+    return {"token_id": lp.token_id, "logprob": _finite_or_null(lp.logprob),
+            "top": [(t, _finite_or_null(v)) for t, v in lp.top]}
+
+
+def token_logprob_from_wire(d: dict | None) -> TokenLogprob | None:
+    if d is None:
+        return None
+    return TokenLogprob(d["token_id"], _minus_inf_if_null(d["logprob"]),
+                        [(t, _minus_inf_if_null(v)) for t, v in d["top"]])
+
+
+def _finite_or_null(value: float) -> float | None:
     return value if math.isfinite(value) else None
 
 
-def logprob_from_wire(value: float | None) -> float:
+def _minus_inf_if_null(value: float | None) -> float:
     return -math.inf if value is None else value
 
 

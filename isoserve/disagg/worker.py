@@ -28,7 +28,7 @@ from isoserve.admission import check_prompt_fits
 from isoserve.config import EngineConfig, dtype_name
 from isoserve.disagg.cores import TURN_POLL_MS, CoreShare, StepCores
 from isoserve.disagg.roles import AggregatedRole, DecodeRole, PrefillRole, Role
-from isoserve.disagg.wire import Signer, Unauthenticated, logprob_to_wire
+from isoserve.disagg.wire import Signer, Unauthenticated, token_logprob_to_wire
 from isoserve.engine.engine import Engine
 from isoserve.errors import IsoserveError
 
@@ -279,10 +279,3 @@ def output_to_wire(o) -> dict:
 def error_to_wire(request_id: str, error: IsoserveError) -> dict:
     return {"request_id": request_id, "token_ids": [], "logprobs": [], "text": "", "finished": True,
             "finish_reason": "error", "error": error.to_wire(), "prompt_tokens": 0, "output_tokens": 0}
-
-
-def token_logprob_to_wire(lp) -> dict | None:
-    if lp is None:
-        return None
-    return {"token_id": lp.token_id, "logprob": logprob_to_wire(lp.logprob),
-            "top": [(t, logprob_to_wire(v)) for t, v in lp.top]}

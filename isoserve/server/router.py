@@ -17,11 +17,10 @@ import zmq
 import zmq.asyncio
 
 from isoserve.admission import check_prompt_fits, effective_prompt_limit
-from isoserve.disagg.wire import Signer, Unauthenticated, logprob_from_wire
+from isoserve.disagg.wire import Signer, Unauthenticated, token_logprob_from_wire
 from isoserve.disagg.worker import ALIVE_SUFFIX, STEP_US_WITH_THREADS, STEPS_WITH_THREADS
 from isoserve.engine.deadlines import Deadlines
 from isoserve.engine.engine import RequestOutput
-from isoserve.engine.sequence import TokenLogprob
 from isoserve.errors import GenerationTimeout, IsoserveError, WorkerUnavailable, error_from_wire
 from isoserve.server.audit import ROLES_BY_MODE, AuditSettings, audit_table, audit_worker
 from isoserve.server.backend import GenerationRequest
@@ -413,9 +412,7 @@ def _error_output(rid: str, error: IsoserveError) -> RequestOutput:
 
 
 def _output_from_wire(o: dict) -> RequestOutput:
-    logprobs = [None if lp is None else TokenLogprob(lp["token_id"], logprob_from_wire(lp["logprob"]),
-                                                     [(t, logprob_from_wire(v)) for t, v in lp["top"]])
-                for lp in o["logprobs"]]
+    logprobs = [token_logprob_from_wire(lp) for lp in o["logprobs"]]
     error = error_from_wire(o["error"]) if o["error"] else None
     return RequestOutput(o["request_id"], o["token_ids"], logprobs, o["text"], o["finished"],
                          o["finish_reason"], error, o["prompt_tokens"], o["output_tokens"])
