@@ -49,7 +49,7 @@ def test_a_kv_manifest_keeps_the_first_tokens_minus_infinity():
                     token_logprob_to_wire(first), 1.5, 0, "bfloat16")
     frames = Signer(SECRET, "prefill-0").pack("kv", sent.to_wire())
     received = Manifest.from_wire(Signer(SECRET, "decode-0").unpack(frames).body)
-    assert token_logprob_from_wire(received.first_logprob) == first
+    assert token_logprob_from_wire(received.first_token, received.first_logprob) == first
     assert (received.pages, received.first_token, received.kv_dtype) == (sent.pages, 5, "bfloat16")
 
 

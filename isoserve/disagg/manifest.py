@@ -45,7 +45,7 @@ class Manifest:
     page_size: int
     pages: list[PageRecord]
     first_token: int
-    first_logprob: dict | None  # the first token's, as wire.token_logprob_to_wire writes it
+    first_logprob: dict | None  # first_token's, as wire.token_logprob_to_wire writes it
     sent_at: float
     # How many more transfers the sender is sending to this decode worker right after this one,
     # from the same prefill step: a scheduling hint (disagg/bursts.py), never trusted for

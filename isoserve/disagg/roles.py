@@ -305,7 +305,8 @@ class DecodeRole(Role):
             self.engine.fail(rid, KVIsolationViolation(
                 f"request {rid} would decode over KV it does not own ({violation.describe()})"))
             return
-        self.engine.start_decoding(seq, manifest.first_token, token_logprob_from_wire(manifest.first_logprob))
+        first = manifest.first_token
+        self.engine.start_decoding(seq, first, token_logprob_from_wire(first, manifest.first_logprob))
 
     def abort(self, request_id: str) -> None:
         self.deadlines.pop(request_id, None)

@@ -24,20 +24,19 @@ MAX_CLOCK_SKEW_S = 300.0  # older (or future) messages are replays or a broken c
 
 def token_logprob_to_wire(lp: TokenLogprob | None) -> dict | None:
     """A token's logprob and its top list as a header carries them (the outputs message, and the
-    first token's in a KV manifest). JSON has no -Infinity, and orjson writes null for it and for
-    NaN without a word: a value that is not finite travels as null on purpose, and
-    token_logprob_from_wire makes it -inf again."""
+    first token's in a KV manifest). The token itself is not repeated: it is the one at the same
+    place in the message's token ids (a manifest's first_token). JSON has no -Infinity, and
+    orjson writes null for it and for NaN without a word: a value that is not finite travels as
+    null on purpose, and token_logprob_from_wire makes it -inf again."""
     if lp is None:
         return None
-    return {"token_id": lp.token_id, "logprob": _finite_or_null(lp.logprob),
-            "top": [(t, _finite_or_null(v)) for t, v in lp.top]}
+    return {"logprob": _finite_or_null(lp.logprob), "top": [(t, _finite_or_null(v)) for t, v in lp.top]}
 
 
-def token_logprob_from_wire(d: dict | None) -> TokenLogprob | None:
+def token_logprob_from_wire(token_id: int, d: dict | None) -> TokenLogprob | None:
     if d is None:
         return None
-    return TokenLogprob(d["token_id"], _minus_inf_if_null(d["logprob"]),
-                        [(t, _minus_inf_if_null(v)) for t, v in d["top"]])
+    return TokenLogprob(token_id, _minus_inf_if_null(d["logprob"]), [(t, _minus_inf_if_null(v)) for t, v in d["top"]])
 
 
 def _finite_or_null(value: float) -> float | None:
@@ -69,7 +68,9 @@ class Signer:
 
     def pack(self, kind: str, body: dict, payload: list | None = None) -> list:
         # orjson: a decode step's outputs message (one entry per running request) is packed on
-        # the worker's main thread between steps, and unpacked on the router's one core.
+        # the worker's main thread between steps, and unpacked on the router's one core. It
+        # writes a non-finite float as null: a body carrying one encodes it explicitly (as
+        # token_logprob_to_wire does), since the receiver cannot tell that null from a None.
         header = orjson.dumps({"kind": kind, "sender": self.sender, "time": time.time(),
                                "nonce": secrets.token_hex(8), "body": body}, option=orjson.OPT_NON_STR_KEYS)
         return [header, hmac.new(self._secret, header, hashlib.sha256).digest(), *(payload or [])]

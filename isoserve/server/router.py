@@ -412,7 +412,7 @@ def _error_output(rid: str, error: IsoserveError) -> RequestOutput:
 
 
 def _output_from_wire(o: dict) -> RequestOutput:
-    logprobs = [token_logprob_from_wire(lp) for lp in o["logprobs"]]
+    logprobs = [token_logprob_from_wire(t, lp) for t, lp in zip(o["token_ids"], o["logprobs"], strict=True)]
     error = error_from_wire(o["error"]) if o["error"] else None
     return RequestOutput(o["request_id"], o["token_ids"], logprobs, o["text"], o["finished"],
                          o["finish_reason"], error, o["prompt_tokens"], o["output_tokens"])
