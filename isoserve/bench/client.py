@@ -10,15 +10,19 @@ on isoserve, so its gap merges into the next one. Token counts always come from 
 The loop does as little as it can per event: it runs on the same cores as the server. That is
 why it is aiohttp's: its C parser and line reader spent 47-65 us of CPU per streamed token here,
 where httpx's pure-Python stack spent 113-148 (128 requests at 32 concurrent, the two clients
-alternating against one server).
+alternating against one server). It takes each read as the socket gave it and splits the lines
+itself, parsing with orjson: one await per read instead of two per event (the event's line and
+the blank line after it), and 48-52 us per token against 54-59 for aiohttp's line iterator
+(three rounds of 256 requests against one server, alternating). Every event of one read is
+stamped with that read's time, as the line iterator gave them within microseconds anyway.
 """
 from __future__ import annotations
 
-import json
 import time
 from dataclasses import dataclass, field
 
 import aiohttp
+import orjson
 
 
 @dataclass
@@ -59,29 +63,19 @@ async def stream_completion(session: aiohttp.ClientSession, url: str, headers: d
     clock = time.perf_counter
     record = RequestRecord(index, start=clock())
     times = record.token_times
-    usage = None
+    usage_box: list[dict] = []  # the usage the server reported, if it did
     try:
         async with session.post(url, json=body, headers=headers) as response:
             if response.status != 200:
                 record.outcome = f"HTTP {response.status} {_error_code(await response.read())}".strip()
                 return record
-            async for line in response.content:  # one line at a time, as the server sent them
-                if not line.startswith(b"data:"):
-                    continue
-                data = line[5:].strip()
-                if data == b"[DONE]":
-                    record.outcome = "ok"
-                    break
+            pending = b""  # the start of a line whose end has not arrived yet
+            async for data in response.content.iter_any():  # each read, as the socket gave it
                 now = clock()
-                chunk = json.loads(data)
-                choices = chunk.get("choices")
-                if choices and choices[0].get("text"):
-                    times.append(now)
-                elif "error" in chunk:
-                    record.outcome = f"stream error {_code_of(chunk)}".strip()
+                lines = (pending + data).split(b"\n") if pending else data.split(b"\n")
+                pending = lines.pop()
+                if not _take_events(lines, now, record, times, usage_box):
                     break
-                if chunk.get("usage"):
-                    usage = chunk["usage"]
             else:
                 record.outcome = record.outcome or "stream ended without [DONE]"
     except (aiohttp.ClientError, TimeoutError, ValueError) as e:  # ValueError: an event that is not JSON
@@ -90,14 +84,38 @@ async def stream_completion(session: aiohttp.ClientSession, url: str, headers: d
         record.end = clock()
     if times:
         record.ttft = times[0] - record.start
-    record.output_tokens = (usage or {}).get("completion_tokens") or len(times)
-    record.prompt_tokens = (usage or {}).get("prompt_tokens")
+    usage = usage_box[-1] if usage_box else {}
+    record.output_tokens = usage.get("completion_tokens") or len(times)
+    record.prompt_tokens = usage.get("prompt_tokens")
     return record
+
+
+def _take_events(lines: list[bytes], now: float, record: RequestRecord, times: list[float],
+                 usage_box: list[dict]) -> bool:
+    """The complete lines of one read, all received at `now`; False once the stream is over
+    ([DONE] or an error event)."""
+    for line in lines:
+        if not line.startswith(b"data:"):
+            continue
+        data = line[5:].strip()
+        if data == b"[DONE]":
+            record.outcome = "ok"
+            return False
+        chunk = orjson.loads(data)
+        choices = chunk.get("choices")
+        if choices and choices[0].get("text"):
+            times.append(now)
+        elif "error" in chunk:
+            record.outcome = f"stream error {_code_of(chunk)}".strip()
+            return False
+        if chunk.get("usage"):
+            usage_box.append(chunk["usage"])
+    return True
 
 
 def _error_code(raw: bytes) -> str:
     try:
-        return _code_of(json.loads(raw))
+        return _code_of(orjson.loads(raw))
     except ValueError:
         return ""
 
