@@ -1,77 +1,13 @@
-"""The two ends of a streamed token on loopback sockets: the router's writes, held until the event
-loop's next pass (server/http_protocol.py), and the bench client's reads, parsed whatever way the
+"""The bench client's end of a streamed token on a loopback socket: events parsed whatever way the
 socket cut them (bench/client.py)."""
 from __future__ import annotations
 
 import asyncio
-import socket
 
 import aiohttp
 import orjson
 
 from isoserve.bench.client import stream_completion
-from isoserve.server.http_protocol import _PassWrites
-
-
-class _Collect(asyncio.Protocol):
-    def __init__(self):
-        self.data = bytearray()
-        self.reads = 0
-        self.closed = asyncio.get_running_loop().create_future()
-
-    def data_received(self, data: bytes) -> None:
-        self.data += data
-        self.reads += 1
-
-    def connection_lost(self, exc) -> None:
-        self.closed.set_result(None)
-
-
-async def _connected_pair():
-    """A real loopback connection: (the server, the writer's transport, the reader's protocol)."""
-    loop = asyncio.get_running_loop()
-    accepted = loop.create_future()
-
-    def reader_protocol() -> _Collect:
-        protocol = _Collect()
-        accepted.set_result(protocol)
-        return protocol
-
-    server = await loop.create_server(reader_protocol, "127.0.0.1", 0)
-    port = server.sockets[0].getsockname()[1]
-    transport, _ = await loop.create_connection(asyncio.Protocol, "127.0.0.1", port)
-    transport.get_extra_info("socket").setsockopt(socket.IPPROTO_TCP, socket.TCP_NODELAY, 1)
-    return server, transport, await accepted
-
-
-def test_writes_of_one_pass_leave_together_at_the_next():
-    async def main():
-        server, transport, reader = await _connected_pair()
-        writes = _PassWrites(transport, asyncio.get_running_loop())
-        writes.write(b"data: one\n\n")
-        writes.write(b"data: two\n\n")
-        assert writes.get_write_buffer_size() == 22  # held, and counted as buffered
-        await asyncio.sleep(0.05)  # the loop's next pass sends them; then they travel
-        assert bytes(reader.data) == b"data: one\n\ndata: two\n\n"
-        assert reader.reads == 1  # one send, not two
-        writes.write(b"data: last\n\n")
-        writes.close()  # what is held goes out before the connection closes
-        await asyncio.wait_for(reader.closed, 5)
-        assert bytes(reader.data).endswith(b"data: last\n\n")
-        server.close()
-    asyncio.run(main())
-
-
-def test_a_write_after_the_peer_left_is_dropped_not_raised():
-    async def main():
-        server, transport, reader = await _connected_pair()
-        writes = _PassWrites(transport, asyncio.get_running_loop())
-        writes.write(b"data: late\n\n")
-        transport.abort()  # the connection is gone before the loop's next pass
-        await asyncio.sleep(0.05)  # the flush finds it closing and writes nothing
-        assert transport.is_closing()
-        server.close()
-    asyncio.run(main())
 
 
 def _chunk(text: str) -> bytes:

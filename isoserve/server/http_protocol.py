@@ -12,15 +12,6 @@ client (app.py's _SlowClients), and uvicorn's send waits only while the connecti
 paused. Under SCOPE_WRITE_FLOW the app finds the connection's FlowControl and sets a timer only
 then, not once per streamed token.
 
-Why writes wait for the end of the event loop's pass: a decode step hands the router one token
-for each of its requests at once, and each request's task then formats its event and writes it.
-Written as each task gets there, ~40 us apart, every write found the client asleep again and
-woke it (a loopback write that wakes its reader cost ~19 us of the writer's CPU on these VMs,
-against ~2 otherwise), and every wake-up took a core from a worker's step. So a connection's
-writes are gathered while the loop runs its ready callbacks and go out together at the start of
-its next pass (`_PassWrites`): the writes of one step's tokens leave in one burst. The first
-token waits for the last one's formatting, well under a millisecond at 32 streams.
-
 Why the bound: h11 bounded the request line plus headers (its max_incomplete_event_size);
 llhttp has no such limit, and a client could grow a header for as long as the body timeout
 allows. Here a request whose line and headers exceed MAX_HEADER_BYTES gets 431
@@ -32,7 +23,6 @@ request_headers_too_large in OpenAI's error body, and the connection is closed:
 """
 from __future__ import annotations
 
-import asyncio
 import json
 
 from uvicorn.protocols.http.httptools_impl import HttpToolsProtocol
@@ -57,52 +47,6 @@ async def _refuse(scope, receive, send) -> None:
     await send({"type": "http.response.body", "body": _BODY})
 
 
-class _PassWrites:
-    """A connection's transport whose writes are held until the event loop's next pass, then
-    written as one (module doc). Everything else is the transport's own; what ends the write
-    side (close, write_eof) writes what is held first, and abort drops it with the connection."""
-
-    def __init__(self, transport: asyncio.Transport, loop: asyncio.AbstractEventLoop):
-        self._transport = transport
-        self._loop = loop
-        self._held: list[bytes] = []
-
-    def write(self, data: bytes) -> None:
-        if not self._held:
-            self._loop.call_soon(self.flush)
-        self._held.append(data)
-
-    def writelines(self, chunks) -> None:
-        for data in chunks:
-            self.write(data)
-
-    def flush(self) -> None:
-        if not self._held:
-            return
-        data = self._held[0] if len(self._held) == 1 else b"".join(self._held)
-        self._held = []
-        if not self._transport.is_closing():  # a peer that is gone reads nothing more
-            self._transport.write(data)
-
-    def get_write_buffer_size(self) -> int:
-        return self._transport.get_write_buffer_size() + sum(map(len, self._held))
-
-    def write_eof(self) -> None:
-        self.flush()
-        self._transport.write_eof()
-
-    def close(self) -> None:
-        self.flush()
-        self._transport.close()
-
-    def abort(self) -> None:
-        self._held = []
-        self._transport.abort()
-
-    def __getattr__(self, name: str):
-        return getattr(self._transport, name)
-
-
 class BoundedHeadProtocol(HttpToolsProtocol):
     """HttpToolsProtocol that refuses a request head over MAX_HEADER_BYTES (module doc)."""
 
@@ -110,9 +54,6 @@ class BoundedHeadProtocol(HttpToolsProtocol):
     _received = 0       # bytes received while in the head
     _fields = 0         # bytes of its request line and headers, as parsed
     _discarding = False  # refused: what the client still sends is read and dropped
-
-    def connection_made(self, transport: asyncio.Transport) -> None:
-        super().connection_made(_PassWrites(transport, self.loop))
 
     def data_received(self, data: bytes) -> None:
         if self._discarding:
