@@ -63,7 +63,7 @@ async def stream_completion(session: aiohttp.ClientSession, url: str, headers: d
     clock = time.perf_counter
     record = RequestRecord(index, start=clock())
     times = record.token_times
-    usage_box: list[dict] = []  # the usage the server reported, if it did
+    usage = None
     try:
         async with session.post(url, json=body, headers=headers) as response:
             if response.status != 200:
@@ -71,10 +71,26 @@ async def stream_completion(session: aiohttp.ClientSession, url: str, headers: d
                 return record
             pending = b""  # the start of a line whose end has not arrived yet
             async for data in response.content.iter_any():  # each read, as the socket gave it
-                now = clock()
+                now = clock()  # every event of this read arrived now
                 lines = (pending + data).split(b"\n") if pending else data.split(b"\n")
                 pending = lines.pop()
-                if not _take_events(lines, now, record, times, usage_box):
+                for line in lines:
+                    if not line.startswith(b"data:"):
+                        continue
+                    payload = line[5:].strip()
+                    if payload == b"[DONE]":
+                        record.outcome = "ok"
+                        break
+                    chunk = orjson.loads(payload)
+                    choices = chunk.get("choices")
+                    if choices and choices[0].get("text"):
+                        times.append(now)
+                    elif "error" in chunk:
+                        record.outcome = f"stream error {_code_of(chunk)}".strip()
+                        break
+                    if chunk.get("usage"):
+                        usage = chunk["usage"]
+                if record.outcome:  # [DONE] or an error event ended the stream
                     break
             else:
                 record.outcome = record.outcome or "stream ended without [DONE]"
@@ -84,33 +100,9 @@ async def stream_completion(session: aiohttp.ClientSession, url: str, headers: d
         record.end = clock()
     if times:
         record.ttft = times[0] - record.start
-    usage = usage_box[-1] if usage_box else {}
-    record.output_tokens = usage.get("completion_tokens") or len(times)
-    record.prompt_tokens = usage.get("prompt_tokens")
+    record.output_tokens = (usage or {}).get("completion_tokens") or len(times)
+    record.prompt_tokens = (usage or {}).get("prompt_tokens")
     return record
-
-
-def _take_events(lines: list[bytes], now: float, record: RequestRecord, times: list[float],
-                 usage_box: list[dict]) -> bool:
-    """The complete lines of one read, all received at `now`; False once the stream is over
-    ([DONE] or an error event)."""
-    for line in lines:
-        if not line.startswith(b"data:"):
-            continue
-        data = line[5:].strip()
-        if data == b"[DONE]":
-            record.outcome = "ok"
-            return False
-        chunk = orjson.loads(data)
-        choices = chunk.get("choices")
-        if choices and choices[0].get("text"):
-            times.append(now)
-        elif "error" in chunk:
-            record.outcome = f"stream error {_code_of(chunk)}".strip()
-            return False
-        if chunk.get("usage"):
-            usage_box.append(chunk["usage"])
-    return True
 
 
 def _error_code(raw: bytes) -> str:

@@ -71,8 +71,11 @@ class Signer:
         # the worker's main thread between steps, and unpacked on the router's one core. It
         # writes a non-finite float as null: a body carrying one encodes it explicitly (as
         # token_logprob_to_wire does), since the receiver cannot tell that null from a None.
+        # Every body is string-keyed; a key that is not raises here rather than turning into a
+        # string the receiver does not expect (OPT_NON_STR_KEYS would, at twice the cost: 7.1
+        # against 3.9 us for a 32-output message).
         header = orjson.dumps({"kind": kind, "sender": self.sender, "time": time.time(),
-                               "nonce": secrets.token_hex(8), "body": body}, option=orjson.OPT_NON_STR_KEYS)
+                               "nonce": secrets.token_hex(8), "body": body})
         return [header, hmac.new(self._secret, header, hashlib.sha256).digest(), *(payload or [])]
 
     def unpack(self, frames: list) -> Message:
