@@ -121,3 +121,19 @@ def test_the_router_and_the_bench_client_run_on_uvloop():
         return type(asyncio.get_running_loop())
 
     assert event_loop.run(loop_type()) is uvloop.Loop
+
+
+def test_free_ports_stay_out_of_the_ephemeral_range_and_are_never_handed_out_twice():
+    """A server binds its port seconds after the harness picks it; a port from the ephemeral
+    range can be taken meanwhile as the local end of an outgoing connection (CI saw the router
+    fail to bind one, 'Address already in use')."""
+    import socket
+
+    from isoserve.bench.local_server import _ephemeral_range, free_port
+
+    low, _ = _ephemeral_range()
+    ports = [free_port() for _ in range(200)]
+    assert len(set(ports)) == len(ports)
+    assert all(1024 <= p < low for p in ports)
+    with socket.socket() as s:  # each is bindable right after being picked
+        s.bind(("127.0.0.1", free_port()))

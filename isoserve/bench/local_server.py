@@ -7,6 +7,7 @@ from __future__ import annotations
 
 import contextlib
 import os
+import random
 import shlex
 import signal
 import socket
@@ -19,10 +20,40 @@ from pathlib import Path
 import httpx
 
 
+# Ports handed out by this process, never handed out twice: a port is free when picked, but the
+# process that will bind it may start seconds later.
+_handed_out: set[int] = set()
+
+
+def _ephemeral_range() -> tuple[int, int]:
+    try:
+        low, high = Path("/proc/sys/net/ipv4/ip_local_port_range").read_text().split()
+        return int(low), int(high)
+    except (OSError, ValueError):
+        return 32768, 60999  # Linux's default
+
+
 def free_port() -> int:
-    with socket.socket() as s:
-        s.bind(("127.0.0.1", 0))
-        return s.getsockname()[1]
+    """A loopback port that nothing listens on, for a server that binds it later.
+
+    Picked below the kernel's ephemeral range: a port from that range (what binding port 0
+    gives) can be taken meanwhile as the local end of any outgoing connection, a health poll
+    included, and the server then fails to bind it.
+    """
+    low, _ = _ephemeral_range()
+    candidates = list(range(max(1024, low - 12000), low))
+    random.shuffle(candidates)
+    for port in candidates:
+        if port in _handed_out:
+            continue
+        with socket.socket() as s:
+            try:
+                s.bind(("127.0.0.1", port))
+            except OSError:
+                continue
+        _handed_out.add(port)
+        return port
+    raise RuntimeError(f"no free loopback port below the ephemeral range (starting at {low})")
 
 
 def isoserve_cmd(*args: str) -> list[str]:
