@@ -36,12 +36,13 @@ def _ephemeral_range() -> tuple[int, int]:
 def free_port() -> int:
     """A loopback port that nothing listens on, for a server that binds it later.
 
-    Picked below the kernel's ephemeral range: a port from that range (what binding port 0
-    gives) can be taken meanwhile as the local end of any outgoing connection, a health poll
-    included, and the server then fails to bind it.
+    Picked outside the kernel's ephemeral range (below it where there is room): a port from that
+    range (what binding port 0 gives) can be taken meanwhile as the local end of any outgoing
+    connection, a health poll included, and the server then fails to bind it.
     """
-    low, _ = _ephemeral_range()
-    candidates = list(range(max(1024, low - 12000), low))
+    low, high = _ephemeral_range()
+    # Below the range; above it where a host starts its range too low to leave room below.
+    candidates = list(range(max(1024, low - 12000), low)) or list(range(high + 1, min(65536, high + 12001)))
     random.shuffle(candidates)
     for port in candidates:
         if port in _handed_out:
@@ -53,7 +54,7 @@ def free_port() -> int:
                 continue
         _handed_out.add(port)
         return port
-    raise RuntimeError(f"no free loopback port below the ephemeral range (starting at {low})")
+    raise RuntimeError(f"no free loopback port outside the ephemeral range ({low}-{high})")
 
 
 def isoserve_cmd(*args: str) -> list[str]:
