@@ -131,7 +131,10 @@ def test_by_turns_one_worker_steps_at_a_time_with_every_core(share_file):
 
 
 def test_a_finished_step_hands_the_turn_to_a_waiting_peer(share_file):
-    me = CoreShare(str(share_file), 0, cores=2, policy="turns")
+    # A handoff longer than the workers' 5 ms: the peer polls every millisecond, but on a loaded
+    # 2-core host (the rest of the suite, a noisy neighbour) it was once not scheduled within
+    # 5 ms, and this worker rightly took the turn back. The handoff is what is tested here.
+    me = CoreShare(str(share_file), 0, cores=2, policy="turns", handoff_wait_s=2.0)
     peer = Peer(share_file, 1)
     try:
         me.set_busy(True)

@@ -76,10 +76,12 @@ def create_share_file(path: str, workers: int) -> None:
 
 
 class CoreShare:
-    def __init__(self, path: str, slot: int, cores: int | None = None, policy: str = "split"):
+    def __init__(self, path: str, slot: int, cores: int | None = None, policy: str = "split",
+                 handoff_wait_s: float = HANDOFF_WAIT_S):
         if policy not in POLICIES:
             raise ValueError(f"unknown core-sharing policy {policy!r}; use one of {', '.join(POLICIES)}")
         self.policy = policy
+        self.handoff_wait_s = handoff_wait_s
         self.cores = cores or host_cores()
         self.pid = os.getpid()
         self._file = open(path, "r+b")  # kept open: the turn is a lock on this open file
@@ -174,7 +176,7 @@ class CoreShare:
         return False
 
     def _end_turn(self) -> None:
-        self._handoff = (self.turns_taken, time.monotonic() + HANDOFF_WAIT_S)
+        self._handoff = (self.turns_taken, time.monotonic() + self.handoff_wait_s)
         fcntl.flock(self._file, fcntl.LOCK_UN)
 
     def close(self) -> None:
