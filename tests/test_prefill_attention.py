@@ -1,4 +1,5 @@
-"""The AMX prefill attention kernel (kernels/amx_attention.cpp) and the ops that choose it.
+"""The prefill attention kernels, AMX's in bfloat16 (kernels/amx_attention.cpp) and AVX-512's in
+float32 (kernels/f32_prefill_attention.cpp), and the ops that choose them.
 
 It must give each chunk's causal attention as exactly as torch's own bfloat16 path does,
 against a float64 definition; read only the first `context` keys of each chunk's pages (every
@@ -7,7 +8,9 @@ kernel copies the keys of a chunk's last tile rather than load past its context,
 read there would be masked out and go unseen); write only the chunks' rows; give
 the same bits on any number of threads and for any split of a prompt into chunks; and refuse
 inputs it cannot take before reading anything. On a CPU without AMX the kernel refuses every
-call and the ops take torch's path.
+call and the ops take torch's path. The float32 kernel is held to the same, to float32's
+rounding, and to the same bits as well for any 16-query block a query lands in; without
+AVX-512 it refuses every call and float32 takes the decode kernel and torch's path.
 """
 from __future__ import annotations
 
@@ -17,12 +20,13 @@ import torch
 from isoserve.kernels import cpu_ops
 from isoserve.model.layer_ops import SHORT_PREFILL_CONTEXT, FusedOps
 from isoserve.model.paged_attention import PrefillChunk, StepAttention, prefill_attention_torch
-from tiny_models import HAS_AMX
+from tiny_models import HAS_AMX, HAS_AVX512
 
 PAGE = 16
 SCALE = 0.125
 # (query heads, KV heads, head_dim): the default model's, plain multi-head, a wide group, 32 dims
 SHAPES = [(9, 3, 64), (4, 4, 64), (8, 1, 32)]
+F32_SHAPES = SHAPES + [(4, 2, 128)]  # the float32 kernel takes 128 dims too
 # Each chunk: (rows, context); a context past the rows is a later chunk of a longer prompt.
 CASES = {
     "one prompt": [(100, 100)],
@@ -158,10 +162,20 @@ def test_fused_ops_take_the_kernel_only_where_it_applies():
     assert not fused.amx_prefill_for(64, PAGE, torch.float32)
     assert FusedOps(cpu_ops(), torch.float32)._prefill_as_decode  # on AVX2 and AVX-512 builds alike
     assert not fused._prefill_as_decode  # bfloat16 never takes the float32 decode kernel
+    assert fused.prefill_kernel_for(64, PAGE, torch.bfloat16) == ("AMX" if HAS_AMX else "")
+    # float32 takes its own kernel wherever the CPU has AVX-512: any page size, 128 dims too
+    f32 = FusedOps(cpu_ops(), torch.float32)
+    for dim, page, pool in ((64, PAGE, torch.bfloat16), (128, 8, torch.float32), (32, PAGE, torch.float8_e4m3fn)):
+        assert f32.prefill_kernel_for(dim, page, pool) == ("AVX-512 float32" if HAS_AVX512 else "")
+    assert not f32.f32_prefill_for(48, torch.bfloat16) and not fused.f32_prefill_for(64, torch.bfloat16)
     q, k, v, attn = _case(CASES["a wave of prompts"], SHAPES[0], seed=4)
     out = torch.zeros_like(q)
     fused.prefill_attention(q, k, v, attn, SCALE, out)
     assert torch.equal(out, _kernel(q, k, v, attn) if HAS_AMX else _torch_path(q, k, v, attn))
+    if HAS_AVX512:
+        out = torch.zeros_like(q, dtype=torch.float32)
+        f32.prefill_attention(q.float(), k, v, attn, SCALE, out)
+        assert torch.equal(out, _f32_kernel(q.float(), k, v, attn))
     # A head of 128 dims: torch's path, whatever the CPU.
     q, k, v, attn = _case([(20, 20)], (4, 2, 128), seed=5)
     out = torch.zeros_like(q)
@@ -173,11 +187,12 @@ def test_fused_ops_take_the_kernel_only_where_it_applies():
 @pytest.mark.parametrize("case", CASES, ids=str)
 def test_prefill_over_a_float8_pool_is_prefill_over_a_bfloat16_pool_of_its_values(case, shape):
     """A float8 pool (--kv-dtype float8_e4m3fn): in bfloat16 the pages the chunks read are
-    widened exactly and go to the AMX kernel (torch's path without AMX), in float32 short
-    chunks go to the decode kernel and long ones to torch's path, and either way each chunk's
-    output is that over a bfloat16 pool holding the same values: to the bit in bfloat16, to
-    float32 rounding in float32 (whose AVX2 kernel may sum in another order). The pool's other
-    slots hold NaN, as in every case here: a read past a chunk's context would show."""
+    widened exactly and go to the AMX kernel (torch's path without AMX), in float32 to the
+    AVX-512 kernel the same way (without it, short chunks to the decode kernel and long ones to
+    torch's path), and either way each chunk's output is that over a bfloat16 pool holding the
+    same values: to the bit where a prefill kernel takes both, else to float32 rounding (the
+    decode kernel's AVX2 version may sum in another order). The pool's other slots hold NaN, as
+    in every case here: a read past a chunk's context would show."""
     f8 = torch.float8_e4m3fn
     q, k, v, attn = _case(CASES[case], shape, seed=9)
     k8, v8 = (k.clamp(-448, 448) * 8).to(f8), (v.clamp(-448, 448) * 8).to(f8)
@@ -193,7 +208,7 @@ def test_prefill_over_a_float8_pool_is_prefill_over_a_bfloat16_pool_of_its_value
         others = torch.ones(q.shape[0], dtype=torch.bool)
         others[rows] = False
         assert torch.all(outs["float8"][others] == 7.0) and not outs["float8"][rows].isnan().any()
-        if dtype == torch.bfloat16:
+        if dtype == torch.bfloat16 or HAS_AVX512:
             assert torch.equal(outs["float8"], outs["bfloat16"])
         else:
             torch.testing.assert_close(outs["float8"], outs["bfloat16"], rtol=1e-5, atol=1e-5)
@@ -202,10 +217,11 @@ def test_prefill_over_a_float8_pool_is_prefill_over_a_bfloat16_pool_of_its_value
 @pytest.mark.parametrize("shape", SHAPES, ids=str)
 @pytest.mark.parametrize("case", CASES, ids=str)
 def test_float32_short_chunks_as_decode_queries_read_only_their_keys_and_write_only_their_rows(case, shape):
-    """float32: chunks of at most SHORT_PREFILL_CONTEXT keys go through the decode
-    kernel, a query row at a time with its causal length, in one call; longer ones through
-    torch's path. Either way each chunk's causal attention to float32 rounding, from its own
-    first `context` keys only (NaN everywhere else in the pool), into its own rows only."""
+    """float32 without AVX-512: chunks of at most SHORT_PREFILL_CONTEXT keys go through the
+    decode kernel, a query row at a time with its causal length, in one call; longer ones
+    through torch's path (with AVX-512 all of them through the float32 prefill kernel). Either
+    way each chunk's causal attention to float32 rounding, from its own first `context` keys
+    only (NaN everywhere else in the pool), into its own rows only."""
     q, k, v, attn = _case(CASES[case], shape, seed=8)
     q, k, v = q.float(), k.float(), v.float()
     fused = FusedOps(cpu_ops(), torch.float32)
@@ -242,4 +258,108 @@ def test_kernel_refuses_what_it_cannot_take():
         expected = what if HAS_AMX else "needs AMX"
         with pytest.raises(RuntimeError, match=expected):
             cpu_ops().prefill_attention(*args, SCALE)
+    assert torch.all(out == 0)
+
+
+def _f32_kernel(q, k, v, attn, fill=0.0):
+    out = torch.full_like(q, fill)
+    chunks, pages = attn.prefill_tables()
+    cpu_ops().prefill_attention_f32(q, k, v, chunks, pages, out, SCALE)
+    return out
+
+
+def _f32_refused_without_avx512(q, k, v, attn) -> bool:
+    """True (after checking the refusal) where the CPU has no AVX-512, so the caller stops there."""
+    assert (cpu_ops().f32_prefill_status() == "") == HAS_AVX512
+    if HAS_AVX512:
+        return False
+    with pytest.raises(RuntimeError, match="needs AVX-512"):
+        _f32_kernel(q, k, v, attn)
+    return True
+
+
+@pytest.mark.parametrize("pool", [torch.float32, torch.bfloat16], ids=str)
+@pytest.mark.parametrize("shape", F32_SHAPES, ids=str)
+@pytest.mark.parametrize("case", CASES, ids=str)
+def test_float32_kernel_reads_only_its_keys_writes_only_its_rows_to_float32_rounding(case, shape, pool):
+    q, k, v, attn = _case(CASES[case], shape, seed=11)
+    q, k, v = q.float(), k.to(pool), v.to(pool)
+    if _f32_refused_without_avx512(q, k, v, attn):
+        return
+    out = _f32_kernel(q, k, v, attn, fill=7.0)
+    rows = _chunk_rows(attn)
+    others = torch.ones(q.shape[0], dtype=torch.bool)
+    others[rows] = False
+    assert torch.all(out[others] == 7.0), "the kernel wrote rows outside its chunks"
+    assert torch.isfinite(out[rows]).all(), "a NaN slot outside the chunks' keys was read"
+    torch.testing.assert_close(out[rows].double(), _gold(q, k, v, attn)[rows], rtol=1e-5, atol=1e-5)
+
+
+@pytest.mark.parametrize("pool", [torch.float32, torch.bfloat16], ids=str)
+@pytest.mark.parametrize("shape", F32_SHAPES, ids=str)
+@pytest.mark.parametrize("case", CASES, ids=str)
+def test_float32_kernel_gives_each_query_the_decode_kernels_bits(case, shape, pool):
+    """Each query row as the decode kernel computes it alone over its causal keys, to the bit:
+    a one-token chunk runs as a decode row, and a sequence recomputed after preemption has its
+    decoded tokens' KV rebuilt by prefill, so both paths must agree for the engine's tokens not
+    to depend on how a prompt was scheduled (tests/test_engine_batching.py)."""
+    q, k, v, attn = _case(CASES[case], shape, seed=13)
+    q, k, v = q.float(), k.to(pool), v.to(pool)
+    if _f32_refused_without_avx512(q, k, v, attn):
+        return
+    alone = attn.prefill_queries(max_context=10**9)  # every chunk's rows as single queries
+    decode = cpu_ops().decode_attention(q[alone.rows], k, v, alone.pages, alone.lens, SCALE)
+    assert torch.equal(_f32_kernel(q, k, v, attn)[alone.rows], decode)
+
+
+def test_float32_kernel_gives_a_query_the_same_bits_on_any_thread_count_split_or_block():
+    """A 600-token prompt whole, on 1, 2 and 3 threads, and cut into chunks whose rows start
+    at other offsets in their 16-query blocks (50, 1, 200 and 349 tokens): every query's
+    output to the bit, as an unsplit prefill's."""
+    q, k, v, attn = _case([(600, 600)], SHAPES[0], seed=12)
+    q = q.float()
+    if _f32_refused_without_avx512(q, k, v, attn):
+        return
+    threads = torch.get_num_threads()
+    try:
+        results = []
+        for n in (1, 2, 3):
+            torch.set_num_threads(n)
+            results.append(_f32_kernel(q, k, v, attn))
+    finally:
+        torch.set_num_threads(threads)
+    assert all(torch.equal(r, results[0]) for r in results)
+    whole = attn.prefills[0]
+    split, start, context = [], whole.token_start, 0
+    for rows in (50, 1, 200, 349):
+        context += rows
+        split.append(PrefillChunk(start, rows, context, whole.pages[:-(-context // PAGE)]))
+        start += rows
+    pieces = StepAttention(write_slots=attn.write_slots, decode_rows=attn.decode_rows, decode_pages=attn.decode_pages,
+                           decode_lens=attn.decode_lens, prefills=split)
+    assert torch.equal(_f32_kernel(q, k, v, pieces), results[0])
+
+
+def test_float32_kernel_refuses_what_it_cannot_take():
+    q, k, v, attn = _case([(20, 20), (10, 40)], SHAPES[0], seed=6)
+    q = q.float()
+    chunks, pages = attn.prefill_tables()
+    out = torch.zeros_like(q)
+    outside_pool = pages.clone()
+    outside_pool[1, 1] = k.shape[1]
+    bad = {
+        "page": (q, k, v, chunks, outside_pool, out),
+        "keys from a": (q, k, v, torch.tensor([[2, 20, 20], [22, 10, 40 + PAGE * 3]]), pages, out),
+        "outside the step": (q, k, v, torch.tensor([[2, 20, 20], [q.shape[0] - 5, 10, 40]]), pages, out),
+        "overlap": (q, k, v, torch.tensor([[2, 20, 20], [12, 10, 40]]), pages, out),
+        "reads 5 keys": (q, k, v, torch.tensor([[2, 20, 20], [22, 10, 5]]), pages, out),
+        "int64": (q, k, v, chunks.int(), pages, out),
+        "float32 CPU tensors": (q.bfloat16(), k, v, chunks, pages, out),
+        "caches of one dtype": (q, k, v.float(), chunks, pages, out),
+        "head_dim 32, 64 or 128": (q[..., :48].contiguous(), k[..., :48].contiguous(), v[..., :48].contiguous(),
+                                   chunks, pages, out[..., :48].contiguous()),
+    }
+    for what, args in bad.items():
+        with pytest.raises(RuntimeError, match=what if HAS_AVX512 else "needs AVX-512"):
+            cpu_ops().prefill_attention_f32(*args, SCALE)
     assert torch.all(out == 0)

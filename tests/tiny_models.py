@@ -37,6 +37,8 @@ _FLAGS = set(next(line for line in open("/proc/cpuinfo") if line.startswith("fla
 HAS_AMX = {"amx_tile", "amx_bf16", "avx512_bf16", "avx512bw", "avx512vl"} <= _FLAGS
 # Whether the float32 block kernels (kernels/vector_matmul.cpp) must run here.
 HAS_AVX2 = {"avx2", "fma"} <= _FLAGS
+# Whether the float32 prefill attention kernel (kernels/f32_prefill_attention.cpp) must run here.
+HAS_AVX512 = {"avx512f", "avx512bw"} <= _FLAGS
 # Whether the int8 block kernels (kernels/int8_matmul.cpp) take their AVX512-VNNI tiles here.
 HAS_AVX512_VNNI = HAS_AVX2 and {"avx512f", "avx512bw", "avx512_vnni"} <= _FLAGS
 # For the tests of the int8 path, which only a CPU with AVX2 and FMA takes.

@@ -106,7 +106,8 @@ class Engine:
     def _ops_summary(self) -> str:
         note = self.model.ops_note
         ops = self.model.ops
-        prefill = ", prefill attention on AMX" if ops.amx_prefill_for(self.model.cfg.head_dim, self.pool.page_size, self.pool.kv.dtype) else ""
+        kernel = ops.prefill_kernel_for(self.model.cfg.head_dim, self.pool.page_size, self.pool.kv.dtype)
+        prefill = f", prefill attention on {kernel}" if kernel else ""
         if self.pool.kv.dtype == torch.float8_e4m3fn and ops.kernels is not None and not ops.kernels.fast_fp8_kv:
             prefill += ", float8 KV widened without AVX-512 (its attention slower than a bfloat16 pool's)"
         return ops.name + prefill + (f" ({note})" if note else "")

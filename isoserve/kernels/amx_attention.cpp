@@ -38,7 +38,7 @@
 
 #include "amx.h"
 #include "bf16x16.h"
-#include "page_reads.h"
+#include "prefill_chunks.h"
 
 namespace {
 
@@ -115,31 +115,6 @@ struct Scratch {
   alignas(64) float out[kMaxDim * kBlock];   // [dims, 16 queries]
 };
 
-// m[i] becomes column i of the 16 x 16 matrix of 32-bit words whose rows m held.
-ISOSERVE_AMX inline void transpose16(__m512i* m) {
-  __m512i t[16];
-  for (int i = 0; i < 16; i += 2) {  // within 128-bit lanes: pairs of rows interleaved
-    t[i] = _mm512_unpacklo_epi32(m[i], m[i + 1]);
-    t[i + 1] = _mm512_unpackhi_epi32(m[i], m[i + 1]);
-  }
-  for (int i = 0; i < 16; i += 4) {  // lane l of m[i + j]: column 4 l + j of rows i .. i + 3
-    m[i] = _mm512_unpacklo_epi64(t[i], t[i + 2]);
-    m[i + 1] = _mm512_unpackhi_epi64(t[i], t[i + 2]);
-    m[i + 2] = _mm512_unpacklo_epi64(t[i + 1], t[i + 3]);
-    m[i + 3] = _mm512_unpackhi_epi64(t[i + 1], t[i + 3]);
-  }
-  for (int i = 0; i < 4; ++i) {  // then the 128-bit lanes across rows i, i + 4, i + 8, i + 12
-    t[i] = _mm512_shuffle_i32x4(m[i], m[i + 4], 0x88);
-    t[i + 4] = _mm512_shuffle_i32x4(m[i], m[i + 4], 0xdd);
-    t[i + 8] = _mm512_shuffle_i32x4(m[i + 8], m[i + 12], 0x88);
-    t[i + 12] = _mm512_shuffle_i32x4(m[i + 8], m[i + 12], 0xdd);
-  }
-  for (int i = 0; i < 8; ++i) {
-    m[i] = _mm512_shuffle_i32x4(t[i], t[i + 8], 0x88);
-    m[i + 8] = _mm512_shuffle_i32x4(t[i], t[i + 8], 0xdd);
-  }
-}
-
 // The block's queries as B tiles: word (line r, lane i) of slice t is query i's dims
 // 32 t + 2 r and 32 t + 2 r + 1 (a 16 x 16 transpose of words per slice); queries past the
 // chunk are zeros.
@@ -148,7 +123,7 @@ ISOSERVE_AMX void lay_out_queries(const uint16_t* q, int64_t stride, int64_t val
     __m512i m[16];
     for (int64_t i = 0; i < kBlock; ++i)
       m[i] = i < valid ? _mm512_loadu_si512(q + i * stride + slice * 32) : _mm512_setzero_si512();
-    transpose16(m);
+    isoserve::transpose16(m);
     for (int r = 0; r < 16; ++r) _mm512_store_si512(tiles + slice * 256 + r * 16, m[r]);
   }
 }
@@ -319,7 +294,7 @@ ISOSERVE_AMX void attend_block(const uint16_t* q, const uint16_t* kc, uint16_t* 
   for (int64_t slice = 0; slice < D / 16; ++slice) {
     __m512i m[16];
     for (int i = 0; i < 16; ++i) m[i] = _mm512_load_si512(w.out + (slice * 16 + i) * kBlock);
-    transpose16(m);
+    isoserve::transpose16(m);
     for (int64_t i = 0; i < valid; ++i) {
       const __m512 row = _mm512_mul_ps(_mm512_castsi512_ps(m[i]), _mm512_set1_ps(inverse[i]));
       _mm256_storeu_si256(reinterpret_cast<__m256i*>(rows + i * s.row_stride + slice * 16),
@@ -389,9 +364,6 @@ void prefill_attention(const torch::Tensor& q, const torch::Tensor& k_cache, con
   for (const torch::Tensor* t : {&q, &k_cache, &v_cache, static_cast<const torch::Tensor*>(&out)})
     TORCH_CHECK(t->device().is_cpu() && t->scalar_type() == at::kBFloat16 && t->is_contiguous(),
                 "prefill_attention takes contiguous bfloat16 CPU tensors");
-  for (const torch::Tensor* t : {&chunks, &pages})
-    TORCH_CHECK(t->device().is_cpu() && t->scalar_type() == at::kLong && t->is_contiguous(),
-                "prefill_attention takes chunks and pages as contiguous int64 CPU tensors");
   TORCH_CHECK(q.dim() == 3 && out.sizes() == q.sizes(), "q and out must be [tokens, heads, head_dim]");
   TORCH_CHECK(k_cache.dim() == 4 && v_cache.sizes() == k_cache.sizes(),
               "caches must be [kv_heads, pages, page_size, head_dim]");
@@ -401,28 +373,14 @@ void prefill_attention(const torch::Tensor& q, const torch::Tensor& k_cache, con
   TORCH_CHECK(s.dim == 32 || s.dim == 64, "prefill_attention takes head_dim 32 or 64, not ", s.dim);
   TORCH_CHECK(s.page_size % kBlock == 0, "prefill_attention takes pages of a multiple of 16 keys, not ", s.page_size);
   TORCH_CHECK(s.kv_heads > 0 && s.heads % s.kv_heads == 0, "query heads must be a positive multiple of KV heads");
-  TORCH_CHECK(chunks.dim() == 2 && chunks.size(1) == 3 && pages.dim() == 2 && pages.size(0) == chunks.size(0),
-              "chunks must be [C, 3] and pages [C, width]");
-  const int64_t* desc = chunks.data_ptr<int64_t>();
-  const int64_t* table = pages.data_ptr<int64_t>();
-  const int64_t width = pages.size(1);
   std::vector<Chunk> list;
   int64_t scratch = 0;
-  for (int64_t c = 0; c < chunks.size(0); ++c) {
-    const int64_t first = desc[3 * c], rows = desc[3 * c + 1], context = desc[3 * c + 2];
-    TORCH_CHECK(rows >= 1 && first >= 0 && first + rows <= T, "chunk ", c, " has rows [", first, ", ",
-                first + rows, ") outside the step's ", T, " tokens");
-    const int64_t* row = table + c * width;
-    isoserve::check_page_reads(row, width, context, rows, s.page_size, s.num_pages, "chunk", c);
-    const int64_t blocks = ceil_div(context, 32);
-    list.push_back({first, rows, context, row, blocks, nullptr, nullptr});
+  for (const isoserve::PrefillSpan& span : isoserve::checked_prefill_spans(chunks, pages, T, s.page_size, s.num_pages,
+                                                                             "prefill_attention")) {
+    const int64_t blocks = ceil_div(span.context, 32);
+    list.push_back({span.first_row, span.rows, span.context, span.pages, blocks, nullptr, nullptr});
     scratch += s.kv_heads * (blocks * 32 + kBlock) * s.dim;
   }
-  std::vector<std::pair<int64_t, int64_t>> spans;
-  for (const Chunk& c : list) spans.emplace_back(c.first_row, c.first_row + c.rows);
-  std::sort(spans.begin(), spans.end());
-  for (size_t i = 1; i < spans.size(); ++i)
-    TORCH_CHECK(spans[i].first >= spans[i - 1].second, "prefill chunks overlap at row ", spans[i].first);
   if (list.empty()) return;
   // Every element is written before it is read (lay_out_values, lay_out_last_keys).
   std::unique_ptr<uint16_t[]> tiles(new uint16_t[scratch]);

@@ -30,6 +30,32 @@ __attribute__((target("avx512f,fma"))) inline __m512 exp_taylor_tail(__m512 p, _
   return _mm512_fmadd_ps(p, r, _mm512_set1_ps(1.0f));
 }
 
+// m[i] becomes column i of the 16 x 16 matrix of 32-bit words whose rows m held. Its own target,
+// as exp_taylor_tail: amx_attention.cpp's AMX functions and f32_prefill_attention.cpp take it.
+__attribute__((target("avx512f"))) inline void transpose16(__m512i* m) {
+  __m512i t[16];
+  for (int i = 0; i < 16; i += 2) {  // within 128-bit lanes: pairs of rows interleaved
+    t[i] = _mm512_unpacklo_epi32(m[i], m[i + 1]);
+    t[i + 1] = _mm512_unpackhi_epi32(m[i], m[i + 1]);
+  }
+  for (int i = 0; i < 16; i += 4) {  // lane l of m[i + j]: column 4 l + j of rows i .. i + 3
+    m[i] = _mm512_unpacklo_epi64(t[i], t[i + 2]);
+    m[i + 1] = _mm512_unpackhi_epi64(t[i], t[i + 2]);
+    m[i + 2] = _mm512_unpacklo_epi64(t[i + 1], t[i + 3]);
+    m[i + 3] = _mm512_unpackhi_epi64(t[i + 1], t[i + 3]);
+  }
+  for (int i = 0; i < 4; ++i) {  // then the 128-bit lanes across rows i, i + 4, i + 8, i + 12
+    t[i] = _mm512_shuffle_i32x4(m[i], m[i + 4], 0x88);
+    t[i + 4] = _mm512_shuffle_i32x4(m[i], m[i + 4], 0xdd);
+    t[i + 8] = _mm512_shuffle_i32x4(m[i + 8], m[i + 12], 0x88);
+    t[i + 12] = _mm512_shuffle_i32x4(m[i + 8], m[i + 12], 0xdd);
+  }
+  for (int i = 0; i < 8; ++i) {
+    m[i] = _mm512_shuffle_i32x4(t[i], t[i + 8], 0x88);
+    m[i + 8] = _mm512_shuffle_i32x4(t[i], t[i + 8], 0xdd);
+  }
+}
+
 }  // namespace isoserve
 
 #if defined(__AVX512F__) && defined(__AVX512BW__)

@@ -1009,6 +1009,11 @@ torch::Tensor q8_0_linear_i8(const torch::Tensor& x, const torch::Tensor& codes,
 void prefill_attention(const torch::Tensor& q, const torch::Tensor& k_cache, const torch::Tensor& v_cache,
                        const torch::Tensor& chunks, const torch::Tensor& pages, torch::Tensor& out,
                        double scale);
+// f32_prefill_attention.cpp
+std::string f32_prefill_status();
+void prefill_attention_f32(const torch::Tensor& q, const torch::Tensor& k_cache, const torch::Tensor& v_cache,
+                           const torch::Tensor& chunks, const torch::Tensor& pages, torch::Tensor& out,
+                           double scale);
 
 PYBIND11_MODULE(TORCH_EXTENSION_NAME, m) {
   m.def("rms_norm", &rms_norm, "RMSNorm of [rows, n] rows");
@@ -1058,6 +1063,11 @@ PYBIND11_MODULE(TORCH_EXTENSION_NAME, m) {
         py::arg("x"), py::arg("codes"), py::arg("d"));
   m.def("prefill_attention", &prefill_attention,
         "causal attention of a step's prefill chunks over their pages into out's rows, on AMX",
+        py::arg("q"), py::arg("k_cache"), py::arg("v_cache"), py::arg("chunks"), py::arg("pages"),
+        py::arg("out"), py::arg("scale"));
+  m.def("f32_prefill_status", &f32_prefill_status, "'' when prefill_attention_f32 can run on this machine, else why not");
+  m.def("prefill_attention_f32", &prefill_attention_f32,
+        "causal attention of a step's prefill chunks over their pages into out's rows, in float32 on AVX-512",
         py::arg("q"), py::arg("k_cache"), py::arg("v_cache"), py::arg("chunks"), py::arg("pages"),
         py::arg("out"), py::arg("scale"));
 }

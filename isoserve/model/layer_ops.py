@@ -13,8 +13,10 @@
 the fused CPU kernels (kernels/cpu_ops.cpp), which round where the reference rounds. At batch 1
 the torch versions are ~50 small op calls per layer, a third of the step's time; fused, a
 handful. The decode kernel also reads K and V where they lie in the pool instead of gathering
-a padded copy first. Prefill attention is torch's flash kernel, one chunk at a time, except
-on AMX in bfloat16, where one kernel call takes every chunk of the step (kernels/amx_attention.cpp).
+a padded copy first. Prefill attention takes every chunk of the step in one kernel call on
+AMX in bfloat16 (kernels/amx_attention.cpp) and on AVX-512 in float32
+(kernels/f32_prefill_attention.cpp); elsewhere torch's flash kernel, one chunk at a time, or in
+float32 on AVX2 the decode kernel for short chunks.
 """
 from __future__ import annotations
 
@@ -72,6 +74,10 @@ class TorchOps:
         return False
 
     @staticmethod
+    def prefill_kernel_for(head_dim: int, page_size: int, kv_dtype: torch.dtype) -> str:
+        return ""
+
+    @staticmethod
     def argmax(logits: torch.Tensor) -> torch.Tensor:
         return logits.argmax(dim=-1)
 
@@ -87,6 +93,7 @@ class FusedOps:
     def __init__(self, kernels, dtype: torch.dtype):
         self.kernels = kernels  # the read guard uses them too (kv/guard.py)
         self._amx_prefill = dtype == torch.bfloat16 and kernels.amx_status() == ""
+        self._f32_prefill = dtype == torch.float32 and kernels.f32_prefill_status() == ""
         self._prefill_as_decode = dtype == torch.float32
         self.rms_norm = kernels.rms_norm
         self.add_rms_norm = kernels.add_rms_norm
@@ -108,21 +115,37 @@ class FusedOps:
         return (self._amx_prefill and kv_dtype in (torch.bfloat16, torch.float8_e4m3fn)
                 and head_dim in (32, 64) and page_size % 16 == 0)
 
+    def f32_prefill_for(self, head_dim: int, kv_dtype: torch.dtype) -> bool:
+        """Whether float32 prefill attention runs on the AVX-512 kernel (f32_prefill_attention.cpp)
+        for this shape: a head of 32, 64 or 128 dims over a float32, bfloat16 or float8 pool (a
+        float8 pool's pages widened to bfloat16 first); elsewhere the decode kernel and torch's."""
+        return self._f32_prefill and head_dim in (32, 64, 128) and kv_dtype in (
+            torch.float32, torch.bfloat16, torch.float8_e4m3fn)
+
+    def prefill_kernel_for(self, head_dim: int, page_size: int, kv_dtype: torch.dtype) -> str:
+        """The kernel that takes every prefill chunk of a step in one call, for the startup log:
+        "AMX", "AVX-512 float32", or "" where the chunks go their other ways."""
+        if self.amx_prefill_for(head_dim, page_size, kv_dtype):
+            return "AMX"
+        return "AVX-512 float32" if self.f32_prefill_for(head_dim, kv_dtype) else ""
+
     def prefill_attention(self, q: torch.Tensor, k_cache: torch.Tensor, v_cache: torch.Tensor,
                           attn: StepAttention, scale: float, out: torch.Tensor) -> None:
-        if self.amx_prefill_for(q.shape[-1], k_cache.shape[2], k_cache.dtype):
+        kernel = self.prefill_kernel_for(q.shape[-1], k_cache.shape[2], k_cache.dtype)
+        if kernel:
             chunks, pages = attn.prefill_tables()
             if k_cache.dtype == torch.float8_e4m3fn:
                 # The pages the chunks read (the read guard passed their tables), widened exactly to
                 # bfloat16 in a pool of their own: the same scores a bfloat16 pool holding these
                 # values gives. Whole pages, so a last page's slots past its chunk's context come
-                # along; the kernel reads no key past a context there either (amx_attention.cpp).
+                # along; neither kernel reads a key past a context there either.
                 # 32 x 100-token prompts: ~0.1 ms a layer to widen; the decode kernel on the
-                # float8 pool instead took the whole step 30% longer.
+                # float8 pool instead took the whole step 30% longer (AMX).
                 used, pages = attn.prefill_pages()
                 k_cache = self.kernels.fp8_pages_to_bf16(k_cache, used)
                 v_cache = self.kernels.fp8_pages_to_bf16(v_cache, used)
-            self.kernels.prefill_attention(q, k_cache, v_cache, chunks, pages, out, scale)
+            call = self.kernels.prefill_attention if kernel == "AMX" else self.kernels.prefill_attention_f32
+            call(q, k_cache, v_cache, chunks, pages, out, scale)
         elif self._prefill_as_decode:
             # A short chunk's queries as decode queries with causal lengths, all chunks in one
             # call: torch's flash kernel spends more on a chunk's setup than on its arithmetic
