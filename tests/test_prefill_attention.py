@@ -9,8 +9,11 @@ read there would be masked out and go unseen); write only the chunks' rows; give
 the same bits on any number of threads and for any split of a prompt into chunks; and refuse
 inputs it cannot take before reading anything. On a CPU without AMX the kernel refuses every
 call and the ops take torch's path. The float32 kernel is held to the same, to float32's
-rounding, and to the same bits as well for any 16-query block a query lands in; without
-AVX-512 it refuses every call and float32 takes the decode kernel and torch's path.
+rounding, to the decode kernel's bits for each query, and to the same bits for any 16-query
+block a query lands in; without AVX-512 it refuses every call and float32 takes the decode
+kernel and torch's path. (It masks every key past a query's position before the softmax and
+the values, so there the NaN slots show a read that reaches the output; that it reads no slot
+past a chunk's context at all rests on its layout loop, which stops there.)
 """
 from __future__ import annotations
 
@@ -172,7 +175,8 @@ def test_fused_ops_take_the_kernel_only_where_it_applies():
     out = torch.zeros_like(q)
     fused.prefill_attention(q, k, v, attn, SCALE, out)
     assert torch.equal(out, _kernel(q, k, v, attn) if HAS_AMX else _torch_path(q, k, v, attn))
-    if HAS_AVX512:
+    if HAS_AVX512:  # a 560-key chunk, which the decode kernel and torch's path would give other bits
+        q, k, v, attn = _case(CASES["long"], SHAPES[0], seed=4)
         out = torch.zeros_like(q, dtype=torch.float32)
         f32.prefill_attention(q.float(), k, v, attn, SCALE, out)
         assert torch.equal(out, _f32_kernel(q.float(), k, v, attn))
@@ -225,6 +229,7 @@ def test_float32_short_chunks_as_decode_queries_read_only_their_keys_and_write_o
     q, k, v, attn = _case(CASES[case], shape, seed=8)
     q, k, v = q.float(), k.float(), v.float()
     fused = FusedOps(cpu_ops(), torch.float32)
+    fused._f32_prefill = False  # this path, on an AVX-512 machine too
     short = attn.prefill_queries(SHORT_PREFILL_CONTEXT)
     assert all(c.context_len > SHORT_PREFILL_CONTEXT for c in short.longer)
     assert short.rows.numel() == sum(c.num_tokens for c in attn.prefills if c not in short.longer)
@@ -356,6 +361,7 @@ def test_float32_kernel_refuses_what_it_cannot_take():
         "int64": (q, k, v, chunks.int(), pages, out),
         "float32 CPU tensors": (q.bfloat16(), k, v, chunks, pages, out),
         "caches of one dtype": (q, k, v.float(), chunks, pages, out),
+        "share memory": (q, k, v, chunks, pages, q),
         "head_dim 32, 64 or 128": (q[..., :48].contiguous(), k[..., :48].contiguous(), v[..., :48].contiguous(),
                                    chunks, pages, out[..., :48].contiguous()),
     }

@@ -36,6 +36,7 @@
 #include <ATen/Parallel.h>
 
 #include <immintrin.h>
+#include <omp.h>
 
 #include <algorithm>
 #include <cstring>
@@ -90,7 +91,7 @@ void lay_out(const KV* kc, const KV* vc, const Chunk& c, const Shape& s, int64_t
 }
 
 struct Scratch {
-  std::vector<float> scores;                  // [keys][16 queries]: scores, then probabilities
+  float* scores;                              // [keys][16 queries]: scores, then probabilities
   alignas(64) float queries[128 * kBlock];    // Q^T, scaled: [dim][16 queries]
 };
 
@@ -151,7 +152,7 @@ void attend_block(const float* q, float* out, const Chunk& c, const Shape& s, in
       _mm512_store_ps(w.queries + (slice * 16 + d) * kBlock, _mm512_mul_ps(_mm512_castsi512_ps(m[d]), factor));
   }
 
-  float* scores = w.scores.data();
+  float* scores = w.scores;
   const float* k_rows = c.keys + g * c.padded * D;
   const __m512 minus_inf = _mm512_set1_ps(-std::numeric_limits<float>::infinity());
   __m512 top = minus_inf;
@@ -234,6 +235,9 @@ void attend_all(const float* q, const KV* kc, const KV* vc, float* out, const st
   // The longest blocks first, so threads taking work as they free up finish together.
   std::stable_sort(work.begin(), work.end(), [](const Work& a, const Work& b) { return a.keys > b.keys; });
   const int threads = std::max(1, at::get_num_threads());
+  // Each thread's scores, allocated here: a failed allocation inside the parallel region would
+  // end the process instead of raising.
+  std::unique_ptr<float[]> scores(new float[threads * widest * kBlock]);
 #pragma omp parallel num_threads(threads)
   {
 #pragma omp for schedule(static)
@@ -242,8 +246,7 @@ void attend_all(const float* q, const KV* kc, const KV* vc, float* out, const st
       const Chunk& c = chunks[l.chunk];
       lay_out(kc, vc, c, s, l.kv_head, l.first, std::min(kLayoutKeys, c.padded - l.first));
     }
-    Scratch w;
-    w.scores.resize(widest * kBlock);
+    Scratch w{scores.get() + omp_get_thread_num() * widest * kBlock, {}};
 #pragma omp for schedule(dynamic, 1)
     for (int64_t i = 0; i < static_cast<int64_t>(work.size()); ++i)
       attend_block<DC>(q, out, chunks[work[i].chunk], s, work[i].head, work[i].block, scale, w);
@@ -286,6 +289,7 @@ void prefill_attention_f32(const torch::Tensor& q, const torch::Tensor& k_cache,
                 (t->scalar_type() == at::kFloat || t->scalar_type() == at::kBFloat16),
                 "prefill_attention_f32 takes contiguous float32 or bfloat16 caches of one dtype");
   TORCH_CHECK(q.dim() == 3 && out.sizes() == q.sizes(), "q and out must be [tokens, heads, head_dim]");
+  TORCH_CHECK(!out.is_alias_of(q), "out must not share memory with q");  // blocks write rows others read
   TORCH_CHECK(k_cache.dim() == 4 && v_cache.sizes() == k_cache.sizes(),
               "caches must be [kv_heads, pages, page_size, head_dim]");
   const int64_t T = q.size(0);
@@ -299,6 +303,8 @@ void prefill_attention_f32(const torch::Tensor& q, const torch::Tensor& k_cache,
   int64_t scratch = 0;
   for (const isoserve::PrefillSpan& span : isoserve::checked_prefill_spans(chunks, pages, T, s.page_size, s.num_pages,
                                                                              "prefill_attention_f32")) {
+    // Positions go in 32-bit lanes (attend_block).
+    TORCH_CHECK(span.context < (int64_t{1} << 30), "chunk context of ", span.context, " keys is too long");
     list.push_back({span, round_up(span.context, kKeys), nullptr, nullptr});
     scratch += 2 * s.kv_heads * list.back().padded * s.dim;
   }
