@@ -82,8 +82,9 @@ class TorchOps:
         return logits.argmax(dim=-1)
 
 
-# Prefill chunks of at most this many keys go through the float32 decode kernel, one query row
-# at a time (FusedOps.prefill_attention); longer ones through torch's flash kernel.
+# Where the AVX-512 float32 prefill kernel does not apply (AVX2), prefill chunks of at most this
+# many keys go through the float32 decode kernel, one query row at a time
+# (FusedOps.prefill_attention); longer ones through torch's flash kernel.
 SHORT_PREFILL_CONTEXT = 512
 
 

@@ -3,10 +3,11 @@
 Tokens of all sequences in a step are concatenated ([T, ...]). Single-token queries (decodes)
 are attended as one batch, by the fused kernel that reads pages in place (kernels/cpu_ops.cpp)
 or by `decode_attention_torch`; multi-token queries (prefill chunks) all in one call of the AMX
-kernel (kernels/amx_attention.cpp) where it applies; in float32 the chunks of at most
-512 keys as decode queries with causal lengths (`prefill_queries`, one call of the decode
-kernel); the rest one sequence at a time by `prefill_attention_torch`, since their shapes
-differ. Every read goes through a page table the guard has checked.
+kernel (kernels/amx_attention.cpp) in bfloat16 or of the AVX-512 one
+(kernels/f32_prefill_attention.cpp) in float32 where they apply; otherwise in float32 the
+chunks of at most 512 keys as decode queries with causal lengths (`prefill_queries`, one call
+of the decode kernel); the rest one sequence at a time by `prefill_attention_torch`, since
+their shapes differ. Every read goes through a page table the guard has checked.
 
 A layer's cache is [kv_heads, pages, page_size, head_dim]: gathering a batch's pages gives
 [kv_heads, batch, keys, head_dim] directly, which batched matmuls take without a copy.
