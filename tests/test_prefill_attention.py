@@ -83,11 +83,20 @@ def _gold(q, k, v, attn):
     return out
 
 
-def _kernel(q, k, v, attn, fill=0.0):
+def _run(kernel: str, q, k, v, attn, fill=0.0):
+    """out of cpu_ops().<kernel> over every chunk of attn, its other rows `fill`."""
     out = torch.full_like(q, fill)
     chunks, pages = attn.prefill_tables()
-    cpu_ops().prefill_attention(q, k, v, chunks, pages, out, SCALE)
+    getattr(cpu_ops(), kernel)(q, k, v, chunks, pages, out, SCALE)
     return out
+
+
+def _kernel(q, k, v, attn, fill=0.0):
+    return _run("prefill_attention", q, k, v, attn, fill)
+
+
+def _f32_kernel(q, k, v, attn, fill=0.0):
+    return _run("prefill_attention_f32", q, k, v, attn, fill)
 
 
 def _torch_path(q, k, v, attn):
@@ -103,13 +112,69 @@ def _chunk_rows(attn) -> torch.Tensor:
     return rows
 
 
-def _refused_without_amx(q, k, v, attn) -> bool:
-    """True (after checking the refusal) where the CPU has no AMX, so the caller stops there."""
-    if HAS_AMX:
+def _outside(q, attn) -> torch.Tensor:
+    """[T] True for the step's rows that belong to no chunk."""
+    others = torch.ones(q.shape[0], dtype=torch.bool)
+    others[_chunk_rows(attn)] = False
+    return others
+
+
+def _refused_without(runs_here: bool, needs: str, run, q, k, v, attn) -> bool:
+    """True (after checking that `run` refuses, saying what it needs) where the CPU lacks it,
+    so the caller stops there."""
+    if runs_here:
         return False
-    with pytest.raises(RuntimeError, match="needs AMX"):
-        _kernel(q, k, v, attn)
+    with pytest.raises(RuntimeError, match=needs):
+        run(q, k, v, attn)
     return True
+
+
+def _refused_without_amx(q, k, v, attn) -> bool:
+    return _refused_without(HAS_AMX, "needs AMX", _kernel, q, k, v, attn)
+
+
+def _f32_refused_without_avx512(q, k, v, attn) -> bool:
+    assert (cpu_ops().f32_prefill_status() == "") == HAS_AVX512
+    return _refused_without(HAS_AVX512, "needs AVX-512", _f32_kernel, q, k, v, attn)
+
+
+def _on_each_thread_count(run) -> list[torch.Tensor]:
+    """run() on 1, 2 and 3 threads."""
+    threads = torch.get_num_threads()
+    try:
+        results = []
+        for n in (1, 2, 3):
+            torch.set_num_threads(n)
+            results.append(run())
+    finally:
+        torch.set_num_threads(threads)
+    return results
+
+
+def _cut(attn, pieces: list[int]) -> StepAttention:
+    """attn's one prompt as chunks of `pieces` rows, each over the pages its context needs."""
+    whole = attn.prefills[0]
+    split, start, context = [], whole.token_start, 0
+    for rows in pieces:
+        context += rows
+        split.append(PrefillChunk(start, rows, context, whole.pages[:-(-context // PAGE)]))
+        start += rows
+    return StepAttention(write_slots=attn.write_slots, decode_rows=attn.decode_rows, decode_pages=attn.decode_pages,
+                         decode_lens=attn.decode_lens, prefills=split)
+
+
+def _bad_tables(q, k, v, chunks, pages, out) -> dict:
+    """Chunk tables both kernels refuse (prefill_chunks.h), by the words of their refusal."""
+    outside_pool = pages.clone()
+    outside_pool[1, 1] = k.shape[1]
+    return {
+        "page": (q, k, v, chunks, outside_pool, out),
+        "keys from a": (q, k, v, torch.tensor([[2, 20, 20], [22, 10, 40 + PAGE * 3]]), pages, out),
+        "outside the step": (q, k, v, torch.tensor([[2, 20, 20], [q.shape[0] - 5, 10, 40]]), pages, out),
+        "overlap": (q, k, v, torch.tensor([[2, 20, 20], [12, 10, 40]]), pages, out),
+        "reads 5 keys": (q, k, v, torch.tensor([[2, 20, 20], [22, 10, 5]]), pages, out),
+        "int64": (q, k, v, chunks.int(), pages, out),
+    }
 
 
 @pytest.mark.parametrize("shape", SHAPES, ids=str)
@@ -121,9 +186,7 @@ def test_kernel_reads_only_its_keys_writes_only_its_rows_and_is_as_exact_as_torc
     gold = _gold(q, k, v, attn)
     out = _kernel(q, k, v, attn, fill=7.0)
     rows = _chunk_rows(attn)
-    others = torch.ones(q.shape[0], dtype=torch.bool)
-    others[rows] = False
-    assert torch.all(out[others] == 7.0), "the kernel wrote rows outside its chunks"
+    assert torch.all(out[_outside(q, attn)] == 7.0), "the kernel wrote rows outside its chunks"
     assert torch.isfinite(out[rows]).all(), "a NaN slot outside the chunks' keys was read"
     kernel_error = (out[rows].double() - gold[rows]).abs().max().item()
     torch_error = (_torch_path(q, k, v, attn)[rows].double() - gold[rows]).abs().max().item()
@@ -136,23 +199,10 @@ def test_same_bits_on_any_thread_count_and_for_any_split_into_chunks():
     q, k, v, attn = _case([(130, 130)], SHAPES[0], seed=3)
     if _refused_without_amx(q, k, v, attn):
         return
-    threads = torch.get_num_threads()
-    try:
-        results = []
-        for n in (1, 2, 3):
-            torch.set_num_threads(n)
-            results.append(_kernel(q, k, v, attn))
-    finally:
-        torch.set_num_threads(threads)
+    results = _on_each_thread_count(lambda: _kernel(q, k, v, attn))
     assert all(torch.equal(r, results[0]) for r in results)
     # The same prompt as three chunks (50, 1 and 79 tokens) over the same pages, in one call.
-    whole = attn.prefills[0]
-    split = [PrefillChunk(whole.token_start, 50, 50, whole.pages[:4]),
-             PrefillChunk(whole.token_start + 50, 1, 51, whole.pages[:4]),
-             PrefillChunk(whole.token_start + 51, 79, 130, whole.pages)]
-    pieces = StepAttention(write_slots=attn.write_slots, decode_rows=attn.decode_rows, decode_pages=attn.decode_pages,
-                           decode_lens=attn.decode_lens, prefills=split)
-    assert torch.equal(_kernel(q, k, v, pieces), results[0])
+    assert torch.equal(_kernel(q, k, v, _cut(attn, [50, 1, 79])), results[0])
 
 
 def test_fused_ops_take_the_kernel_only_where_it_applies():
@@ -209,9 +259,7 @@ def test_prefill_over_a_float8_pool_is_prefill_over_a_bfloat16_pool_of_its_value
             outs[name] = torch.full_like(q.to(dtype), 7.0)
             fused.prefill_attention(q.to(dtype), kc, vc, attn, SCALE, outs[name])
         rows = _chunk_rows(attn)
-        others = torch.ones(q.shape[0], dtype=torch.bool)
-        others[rows] = False
-        assert torch.all(outs["float8"][others] == 7.0) and not outs["float8"][rows].isnan().any()
+        assert torch.all(outs["float8"][_outside(q, attn)] == 7.0) and not outs["float8"][rows].isnan().any()
         if dtype == torch.bfloat16 or HAS_AVX512:
             assert torch.equal(outs["float8"], outs["bfloat16"])
         else:
@@ -236,9 +284,7 @@ def test_float32_short_chunks_as_decode_queries_read_only_their_keys_and_write_o
     out = torch.full_like(q, 7.0)
     fused.prefill_attention(q, k, v, attn, SCALE, out)
     chunk_rows = _chunk_rows(attn)
-    others = torch.ones(q.shape[0], dtype=torch.bool)
-    others[chunk_rows] = False
-    assert torch.all(out[others] == 7.0)
+    assert torch.all(out[_outside(q, attn)] == 7.0)
     torch.testing.assert_close(out[chunk_rows].double(), _gold(q, k, v, attn)[chunk_rows], rtol=1e-5, atol=1e-5)
 
 
@@ -246,14 +292,8 @@ def test_kernel_refuses_what_it_cannot_take():
     q, k, v, attn = _case([(20, 20), (10, 40)], SHAPES[0], seed=6)
     chunks, pages = attn.prefill_tables()
     out = torch.zeros_like(q)
-    outside_pool = pages.clone()
-    outside_pool[1, 1] = k.shape[1]
     bad = {
-        "page": (q, k, v, chunks, outside_pool, out),
-        "keys from a": (q, k, v, torch.tensor([[2, 20, 20], [22, 10, 40 + PAGE * 3]]), pages, out),
-        "outside the step": (q, k, v, torch.tensor([[2, 20, 20], [q.shape[0] - 5, 10, 40]]), pages, out),
-        "overlap": (q, k, v, torch.tensor([[2, 20, 20], [12, 10, 40]]), pages, out),
-        "reads 5 keys": (q, k, v, torch.tensor([[2, 20, 20], [22, 10, 5]]), pages, out),
+        **_bad_tables(q, k, v, chunks, pages, out),
         "bfloat16": (q.float(), k, v, chunks, pages, out),
         "head_dim": (q[..., :48].contiguous(), k[..., :48].contiguous(), v[..., :48].contiguous(), chunks, pages,
                      out[..., :48].contiguous()),
@@ -266,23 +306,6 @@ def test_kernel_refuses_what_it_cannot_take():
     assert torch.all(out == 0)
 
 
-def _f32_kernel(q, k, v, attn, fill=0.0):
-    out = torch.full_like(q, fill)
-    chunks, pages = attn.prefill_tables()
-    cpu_ops().prefill_attention_f32(q, k, v, chunks, pages, out, SCALE)
-    return out
-
-
-def _f32_refused_without_avx512(q, k, v, attn) -> bool:
-    """True (after checking the refusal) where the CPU has no AVX-512, so the caller stops there."""
-    assert (cpu_ops().f32_prefill_status() == "") == HAS_AVX512
-    if HAS_AVX512:
-        return False
-    with pytest.raises(RuntimeError, match="needs AVX-512"):
-        _f32_kernel(q, k, v, attn)
-    return True
-
-
 @pytest.mark.parametrize("pool", [torch.float32, torch.bfloat16], ids=str)
 @pytest.mark.parametrize("shape", F32_SHAPES, ids=str)
 @pytest.mark.parametrize("case", CASES, ids=str)
@@ -293,9 +316,7 @@ def test_float32_kernel_reads_only_its_keys_writes_only_its_rows_to_float32_roun
         return
     out = _f32_kernel(q, k, v, attn, fill=7.0)
     rows = _chunk_rows(attn)
-    others = torch.ones(q.shape[0], dtype=torch.bool)
-    others[rows] = False
-    assert torch.all(out[others] == 7.0), "the kernel wrote rows outside its chunks"
+    assert torch.all(out[_outside(q, attn)] == 7.0), "the kernel wrote rows outside its chunks"
     assert torch.isfinite(out[rows]).all(), "a NaN slot outside the chunks' keys was read"
     torch.testing.assert_close(out[rows].double(), _gold(q, k, v, attn)[rows], rtol=1e-5, atol=1e-5)
 
@@ -325,24 +346,9 @@ def test_float32_kernel_gives_a_query_the_same_bits_on_any_thread_count_split_or
     q = q.float()
     if _f32_refused_without_avx512(q, k, v, attn):
         return
-    threads = torch.get_num_threads()
-    try:
-        results = []
-        for n in (1, 2, 3):
-            torch.set_num_threads(n)
-            results.append(_f32_kernel(q, k, v, attn))
-    finally:
-        torch.set_num_threads(threads)
+    results = _on_each_thread_count(lambda: _f32_kernel(q, k, v, attn))
     assert all(torch.equal(r, results[0]) for r in results)
-    whole = attn.prefills[0]
-    split, start, context = [], whole.token_start, 0
-    for rows in (50, 1, 200, 349):
-        context += rows
-        split.append(PrefillChunk(start, rows, context, whole.pages[:-(-context // PAGE)]))
-        start += rows
-    pieces = StepAttention(write_slots=attn.write_slots, decode_rows=attn.decode_rows, decode_pages=attn.decode_pages,
-                           decode_lens=attn.decode_lens, prefills=split)
-    assert torch.equal(_f32_kernel(q, k, v, pieces), results[0])
+    assert torch.equal(_f32_kernel(q, k, v, _cut(attn, [50, 1, 200, 349])), results[0])
 
 
 def test_float32_kernel_refuses_what_it_cannot_take():
@@ -350,15 +356,8 @@ def test_float32_kernel_refuses_what_it_cannot_take():
     q = q.float()
     chunks, pages = attn.prefill_tables()
     out = torch.zeros_like(q)
-    outside_pool = pages.clone()
-    outside_pool[1, 1] = k.shape[1]
     bad = {
-        "page": (q, k, v, chunks, outside_pool, out),
-        "keys from a": (q, k, v, torch.tensor([[2, 20, 20], [22, 10, 40 + PAGE * 3]]), pages, out),
-        "outside the step": (q, k, v, torch.tensor([[2, 20, 20], [q.shape[0] - 5, 10, 40]]), pages, out),
-        "overlap": (q, k, v, torch.tensor([[2, 20, 20], [12, 10, 40]]), pages, out),
-        "reads 5 keys": (q, k, v, torch.tensor([[2, 20, 20], [22, 10, 5]]), pages, out),
-        "int64": (q, k, v, chunks.int(), pages, out),
+        **_bad_tables(q, k, v, chunks, pages, out),
         "float32 CPU tensors": (q.bfloat16(), k, v, chunks, pages, out),
         "caches of one dtype": (q, k, v.float(), chunks, pages, out),
         "share memory": (q, k, v, chunks, pages, q),

@@ -303,12 +303,11 @@ ISOSERVE_AMX void attend_block(const uint16_t* q, const uint16_t* kc, uint16_t* 
   }
 }
 
-struct Work { int64_t chunk, head, block, keys; };
-
 // One thread's share of the query blocks, taken as it frees up (the caller's parallel region).
 template <int kSlices>
 ISOSERVE_AMX void attend_share(const uint16_t* q, const uint16_t* kc, uint16_t* out, const std::vector<Chunk>& chunks,
-                               const std::vector<Work>& work, const Shape& s, float scale, int64_t widest) {
+                               const std::vector<isoserve::QueryBlock>& work, const Shape& s, float scale,
+                               int64_t widest) {
   Scratch w;
   w.scores.resize(widest * kBlock);
   w.probs.resize(widest * kBlock);
@@ -321,22 +320,17 @@ ISOSERVE_AMX void attend_share(const uint16_t* q, const uint16_t* kc, uint16_t* 
 
 template <int kSlices>
 void attend_all(const uint16_t* kc, const uint16_t* vc, const uint16_t* q, uint16_t* out,
-                const std::vector<Chunk>& chunks, const Shape& s, float scale) {
+                const std::vector<Chunk>& chunks, const std::vector<isoserve::QueryBlock>& work, const Shape& s,
+                float scale) {
   struct Layout { int64_t chunk, kv_head, block; };
   std::vector<Layout> layouts;
-  std::vector<Work> work;
   int64_t widest = 32;
   for (int64_t ci = 0; ci < static_cast<int64_t>(chunks.size()); ++ci) {
     const Chunk& c = chunks[ci];
     for (int64_t g = 0; g < s.kv_heads; ++g)
       for (int64_t kb = 0; kb <= c.key_blocks32; ++kb) layouts.push_back({ci, g, kb});  // kb == blocks: last keys
-    for (int64_t h = 0; h < s.heads; ++h)
-      for (int64_t qb = 0; qb < ceil_div(c.rows, kBlock); ++qb)
-        work.push_back({ci, h, qb, c.context - c.rows + std::min(c.rows, (qb + 1) * kBlock)});
     widest = std::max(widest, c.key_blocks32 * 32);
   }
-  // The longest blocks first, so threads taking work as they free up finish together.
-  std::stable_sort(work.begin(), work.end(), [](const Work& a, const Work& b) { return a.keys > b.keys; });
   const int threads = std::max(1, at::get_num_threads());
 #pragma omp parallel num_threads(threads)
   {
@@ -373,10 +367,11 @@ void prefill_attention(const torch::Tensor& q, const torch::Tensor& k_cache, con
   TORCH_CHECK(s.dim == 32 || s.dim == 64, "prefill_attention takes head_dim 32 or 64, not ", s.dim);
   TORCH_CHECK(s.page_size % kBlock == 0, "prefill_attention takes pages of a multiple of 16 keys, not ", s.page_size);
   TORCH_CHECK(s.kv_heads > 0 && s.heads % s.kv_heads == 0, "query heads must be a positive multiple of KV heads");
+  const std::vector<isoserve::PrefillSpan> spans =
+      isoserve::checked_prefill_spans(chunks, pages, T, s.page_size, s.num_pages, "prefill_attention");
   std::vector<Chunk> list;
   int64_t scratch = 0;
-  for (const isoserve::PrefillSpan& span : isoserve::checked_prefill_spans(chunks, pages, T, s.page_size, s.num_pages,
-                                                                             "prefill_attention")) {
+  for (const isoserve::PrefillSpan& span : spans) {
     const int64_t blocks = ceil_div(span.context, 32);
     list.push_back({span.first_row, span.rows, span.context, span.pages, blocks, nullptr, nullptr});
     scratch += s.kv_heads * (blocks * 32 + kBlock) * s.dim;
@@ -395,6 +390,7 @@ void prefill_attention(const torch::Tensor& q, const torch::Tensor& k_cache, con
   const auto* qp = reinterpret_cast<const uint16_t*>(q.data_ptr<at::BFloat16>());
   auto* op = reinterpret_cast<uint16_t*>(out.data_ptr<at::BFloat16>());
   const float sc = static_cast<float>(scale);
-  if (s.dim == 32) attend_all<1>(kc, vc, qp, op, list, s, sc);
-  else attend_all<2>(kc, vc, qp, op, list, s, sc);
+  const std::vector<isoserve::QueryBlock> work = isoserve::query_blocks(spans, s.heads, kBlock);
+  if (s.dim == 32) attend_all<1>(kc, vc, qp, op, list, work, s, sc);
+  else attend_all<2>(kc, vc, qp, op, list, work, s, sc);
 }

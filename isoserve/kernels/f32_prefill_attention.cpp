@@ -216,24 +216,17 @@ void attend_block(const float* q, float* out, const Chunk& c, const Shape& s, in
 
 template <int DC, typename KV>
 void attend_all(const float* q, const KV* kc, const KV* vc, float* out, const std::vector<Chunk>& chunks,
-                const Shape& s, float scale) {
+                const std::vector<isoserve::QueryBlock>& work, const Shape& s, float scale) {
   constexpr int64_t kLayoutKeys = 64;  // keys per layout job
   struct Layout { int64_t chunk, kv_head, first; };
-  struct Work { int64_t chunk, head, block, keys; };
   std::vector<Layout> layouts;
-  std::vector<Work> work;
   int64_t widest = 0;
   for (int64_t ci = 0; ci < static_cast<int64_t>(chunks.size()); ++ci) {
     const Chunk& c = chunks[ci];
     for (int64_t g = 0; g < s.kv_heads; ++g)
       for (int64_t t = 0; t < c.padded; t += kLayoutKeys) layouts.push_back({ci, g, t});
-    for (int64_t h = 0; h < s.heads; ++h)
-      for (int64_t qb = 0; qb * kBlock < c.span.rows; ++qb)
-        work.push_back({ci, h, qb, c.span.context - c.span.rows + std::min(c.span.rows, (qb + 1) * kBlock)});
     widest = std::max(widest, c.padded);
   }
-  // The longest blocks first, so threads taking work as they free up finish together.
-  std::stable_sort(work.begin(), work.end(), [](const Work& a, const Work& b) { return a.keys > b.keys; });
   const int threads = std::max(1, at::get_num_threads());
   // Each thread's scores, allocated here: a failed allocation inside the parallel region would
   // end the process instead of raising.
@@ -255,11 +248,11 @@ void attend_all(const float* q, const KV* kc, const KV* vc, float* out, const st
 
 template <typename KV>
 void attend_all_dims(const float* q, const KV* kc, const KV* vc, float* out, const std::vector<Chunk>& chunks,
-                     const Shape& s, float scale) {
+                     const std::vector<isoserve::QueryBlock>& work, const Shape& s, float scale) {
   switch (s.dim) {
-    case 32: return attend_all<2>(q, kc, vc, out, chunks, s, scale);
-    case 64: return attend_all<4>(q, kc, vc, out, chunks, s, scale);
-    case 128: return attend_all<8>(q, kc, vc, out, chunks, s, scale);
+    case 32: return attend_all<2>(q, kc, vc, out, chunks, work, s, scale);
+    case 64: return attend_all<4>(q, kc, vc, out, chunks, work, s, scale);
+    case 128: return attend_all<8>(q, kc, vc, out, chunks, work, s, scale);
   }
 }
 #else
@@ -299,10 +292,11 @@ void prefill_attention_f32(const torch::Tensor& q, const torch::Tensor& k_cache,
               "prefill_attention_f32 takes head_dim 32, 64 or 128, not ", s.dim);
   TORCH_CHECK(s.kv_heads > 0 && s.heads % s.kv_heads == 0, "query heads must be a positive multiple of KV heads");
 #if defined(__AVX512F__) && defined(__AVX512BW__)
+  const std::vector<isoserve::PrefillSpan> spans =
+      isoserve::checked_prefill_spans(chunks, pages, T, s.page_size, s.num_pages, "prefill_attention_f32");
   std::vector<Chunk> list;
   int64_t scratch = 0;
-  for (const isoserve::PrefillSpan& span : isoserve::checked_prefill_spans(chunks, pages, T, s.page_size, s.num_pages,
-                                                                             "prefill_attention_f32")) {
+  for (const isoserve::PrefillSpan& span : spans) {
     // Positions go in 32-bit lanes (attend_block).
     TORCH_CHECK(span.context < (int64_t{1} << 30), "chunk context of ", span.context, " keys is too long");
     list.push_back({span, round_up(span.context, kKeys), nullptr, nullptr});
@@ -318,11 +312,12 @@ void prefill_attention_f32(const torch::Tensor& q, const torch::Tensor& k_cache,
     next += 2 * s.kv_heads * c.padded * s.dim;
   }
   const float sc = static_cast<float>(scale);
+  const std::vector<isoserve::QueryBlock> work = isoserve::query_blocks(spans, s.heads, kBlock);
   if (k_cache.scalar_type() == at::kFloat)
     attend_all_dims(q.data_ptr<float>(), k_cache.data_ptr<float>(), v_cache.data_ptr<float>(), out.data_ptr<float>(),
-                    list, s, sc);
+                    list, work, s, sc);
   else
     attend_all_dims(q.data_ptr<float>(), k_cache.data_ptr<at::BFloat16>(), v_cache.data_ptr<at::BFloat16>(),
-                    out.data_ptr<float>(), list, s, sc);
+                    out.data_ptr<float>(), list, work, s, sc);
 #endif
 }

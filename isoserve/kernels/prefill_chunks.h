@@ -53,4 +53,24 @@ inline std::vector<PrefillSpan> checked_prefill_spans(const torch::Tensor& chunk
   return spans;
 }
 
+// One work item of a prefill kernel: query block `block` (`block_rows` queries) of head `head`
+// of chunk `chunk`; `keys`: how many keys its last query sees.
+struct QueryBlock {
+  int64_t chunk, head, block, keys;
+};
+
+// Every query block of every head of the spans, the longest first, so that threads taking them
+// as they free up finish together.
+inline std::vector<QueryBlock> query_blocks(const std::vector<PrefillSpan>& spans, int64_t heads, int64_t block_rows) {
+  std::vector<QueryBlock> work;
+  for (int64_t c = 0; c < static_cast<int64_t>(spans.size()); ++c) {
+    const PrefillSpan& s = spans[c];
+    for (int64_t h = 0; h < heads; ++h)
+      for (int64_t b = 0; b * block_rows < s.rows; ++b)
+        work.push_back({c, h, b, s.context - s.rows + std::min(s.rows, (b + 1) * block_rows)});
+  }
+  std::stable_sort(work.begin(), work.end(), [](const QueryBlock& a, const QueryBlock& b) { return a.keys > b.keys; });
+  return work;
+}
+
 }  // namespace isoserve
