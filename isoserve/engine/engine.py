@@ -110,6 +110,8 @@ class Engine:
         prefill = f", prefill attention on {kernel}" if kernel else ""
         if self.pool.kv.dtype == torch.float8_e4m3fn and ops.kernels is not None and not ops.kernels.fast_fp8_kv:
             prefill += ", float8 KV widened without AVX-512 (its attention slower than a bfloat16 pool's)"
+        if self.model.decoder_stack_rows:
+            prefill += ", a decode step's layers in one call"
         return ops.name + prefill + (f" ({note})" if note else "")
 
     # ---- limits -------------------------------------------------------------------------

@@ -202,6 +202,9 @@ torch::Tensor rms_norm(const torch::Tensor& x, const torch::Tensor& w, double ep
   return out;
 }
 
+}  // namespace
+
+// Also called by decoder_stack.cpp.
 // x += y in place (the residual stream), then returns rms_norm(x).
 torch::Tensor add_rms_norm(torch::Tensor& x, const torch::Tensor& y, const torch::Tensor& w, double eps) {
   check_norm(x, w);
@@ -215,6 +218,8 @@ torch::Tensor add_rms_norm(torch::Tensor& x, const torch::Tensor& y, const torch
   });
   return out;
 }
+
+namespace {
 
 // ---- SwiGLU -----------------------------------------------------------------------------------
 // Reference: silu(gate) * up over the halves of the merged gate-up projection, each rounded.
@@ -381,6 +386,9 @@ void rotary_rows(const T* qkv, const T* cos, const T* sin, const int64_t* slot, 
   });
 }
 
+}  // namespace
+
+// Also called by decoder_stack.cpp.
 torch::Tensor rotary_store(const torch::Tensor& qkv, const torch::Tensor& cos, const torch::Tensor& sin,
                            torch::Tensor& k_cache, torch::Tensor& v_cache, const torch::Tensor& slots,
                            int64_t heads) {
@@ -414,6 +422,8 @@ torch::Tensor rotary_store(const torch::Tensor& qkv, const torch::Tensor& cos, c
   });
   return q;
 }
+
+namespace {
 
 // ---- Decode attention over pages, in place ----------------------------------------------------
 // One query token per sequence. For each (sequence, KV head), the group's query heads score the
@@ -768,6 +778,9 @@ void decode_attention_impl(const T* q, const KV* kc, const KV* vc, const int64_t
   });
 }
 
+}  // namespace
+
+// Also called by decoder_stack.cpp.
 torch::Tensor decode_attention(const torch::Tensor& q, const torch::Tensor& k_cache,
                                const torch::Tensor& v_cache, const torch::Tensor& pages,
                                const torch::Tensor& lens, double scale, bool bf16_dot) {
@@ -801,6 +814,8 @@ torch::Tensor decode_attention(const torch::Tensor& q, const torch::Tensor& k_ca
   });
   return out;
 }
+
+namespace {
 
 // ---- A float8 pool's pages as bfloat16 ----------------------------------------------------------
 // cache [kv_heads, pages, page_size, dim] of float8 codes -> [kv_heads, len(pages), page_size,
@@ -1015,6 +1030,9 @@ void prefill_attention_f32(const torch::Tensor& q, const torch::Tensor& k_cache,
                            const torch::Tensor& chunks, const torch::Tensor& pages, torch::Tensor& out,
                            double scale);
 
+// decoder_stack.cpp
+void register_decoder_stack(pybind11::module& m);
+
 PYBIND11_MODULE(TORCH_EXTENSION_NAME, m) {
   m.def("rms_norm", &rms_norm, "RMSNorm of [rows, n] rows");
   m.def("add_rms_norm", &add_rms_norm, "x += y in place, then RMSNorm of x");
@@ -1070,4 +1088,5 @@ PYBIND11_MODULE(TORCH_EXTENSION_NAME, m) {
         "causal attention of a step's prefill chunks over their pages into out's rows, in float32 on AVX-512",
         py::arg("q"), py::arg("k_cache"), py::arg("v_cache"), py::arg("chunks"), py::arg("pages"),
         py::arg("out"), py::arg("scale"));
+  register_decoder_stack(m);
 }

@@ -1,7 +1,9 @@
 """Llama-family decoder (Llama, Mistral, Qwen2 shapes) over the paged KV pool.
 
 Plain tensors and functions: merged QKV and gate-up projections, GQA, RoPE, RMSNorm, SwiGLU,
-tied embeddings. One forward runs a whole scheduler step (decodes and prefill chunks together).
+tied embeddings. One forward runs a whole scheduler step (decodes and prefill chunks together);
+a decode-only step whose layers are all fused kernels runs them in one C++ call
+(model/decoder_stack.py), the same kernels in the same order as the loop here.
 """
 from __future__ import annotations
 
@@ -14,6 +16,7 @@ import torch.nn.functional as F
 from isoserve.kv.pool import KVPool
 from isoserve.model.config import ModelConfig
 from isoserve.model import int4, q8_0
+from isoserve.model.decoder_stack import build_stack, stack_rows
 from isoserve.model.layer_ops import select_ops
 from isoserve.model.projection import Projection
 from isoserve.model.quantized import EVERY_STEP, q4_tiers, q8_tiers, require_int8_activations
@@ -97,6 +100,10 @@ class LlamaModel:
         self.rope = RotaryEmbedding(cfg, max_positions or cfg.max_position_embeddings, dtype, self.device)
         self.scale = cfg.head_dim ** -0.5
         self._q_size = cfg.num_heads * cfg.head_dim
+        # Decode-only steps of at most this many rows run the layers in one kernel call
+        # (model/decoder_stack.py); 0: never. Tests turn it off to compare the two ways.
+        self.decoder_stack_rows = stack_rows(self)
+        self._stack: tuple[KVPool, object] | None = None  # (the pool it was built for, the stack)
 
     def _projection(self, weight: torch.Tensor, bias: torch.Tensor | None, tiers: list, what: str = "") -> Projection:
         if tiers:
@@ -115,6 +122,11 @@ class LlamaModel:
         x = F.embedding(token_ids, self.embed)  # the residual stream, updated in place
         cos, sin = self.rope.tables(positions)
         h = ops.rms_norm(x, self.layers[0].input_norm, eps)
+        if not attn.prefills and token_ids.shape[0] <= self.decoder_stack_rows:
+            # The loop below, in C++: the same kernels in the same order.
+            self._decoder_stack(pool).decode(x, h, cos, sin, attn.write_slots, attn.decode_pages, attn.decode_lens,
+                                             self.scale)
+            return self._logits(x, logits_rows)
         for i, layer in enumerate(self.layers):
             k_cache, v_cache = pool.layer_cache(i)
             q = ops.rotary_store(layer.qkv(h), cos, sin, k_cache, v_cache, attn.write_slots, cfg.num_heads)
@@ -125,5 +137,12 @@ class LlamaModel:
                 h = ops.add_rms_norm(x, mlp, self.layers[i + 1].input_norm, eps)
             else:
                 x.add_(mlp)
-        x = ops.rms_norm(x[logits_rows], self.final_norm, eps)
-        return self.lm_head(x)
+        return self._logits(x, logits_rows)
+
+    def _logits(self, x: torch.Tensor, rows: torch.Tensor) -> torch.Tensor:
+        return self.lm_head(self.ops.rms_norm(x[rows], self.final_norm, self.cfg.rms_norm_eps))
+
+    def _decoder_stack(self, pool: KVPool):
+        if self._stack is None or self._stack[0] is not pool:
+            self._stack = pool, build_stack(self, pool)
+        return self._stack[1]
