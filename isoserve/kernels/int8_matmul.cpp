@@ -324,6 +324,41 @@ struct Q8_0x16 {
 inline __m512i count_codes(__m512i codes, __m512i w) { return _mm512_dpbusd_epi32(codes, _mm512_set1_epi8(1), w); }
 inline __m512i take_back_offset(__m512i codes) { return _mm512_sub_epi32(_mm512_setzero_si512(), _mm512_slli_epi32(codes, 7)); }
 
+// The next pair of panels' codes and scales, requested into L2 a few cache lines at a time
+// while this pair's tiles run: each call of advance() (one per block of each tile) issues its
+// share of them, so that they arrive spread over the pair's arithmetic.
+//
+// Why: a step of several tiles reads a pair's weights in one short burst (Gathered::gather)
+// and then only computes. The hardware prefetchers then stop at the burst's end, and the next
+// pair's burst waits on memory: the gate-up's 1.4 MB took its whole transfer time on top of
+// the tiles' arithmetic (docs/benchmarks.md, session 32). Issued all at once as a pair
+// starts, software prefetches did not help; spread this way a batch-32 decode step of the
+// default model took 26.3 ms against 28.5 on a 2-core Zen 4 (session 33). A step of one tile
+// (up to 8 rows) reads its weights as it goes, and was slower with them (batch 1: 4.5 ms
+// against 4.3), so it does not prefetch.
+class NextPairPrefetch {
+ public:
+  void start(int64_t advances) { count_ = issued_ = calls_ = 0; advances_ = advances; }
+  // The cache lines of [p, p + bytes).
+  void add(const void* p, int64_t bytes) {
+    const uintptr_t first = reinterpret_cast<uintptr_t>(p) & ~uintptr_t{63};
+    const uintptr_t end = reinterpret_cast<uintptr_t>(p) + bytes;
+    for (uintptr_t line = first; line < end && count_ < kMaxLines; line += 64)
+      lines_[count_++] = reinterpret_cast<const char*>(line);
+  }
+  inline void advance() {
+    const int64_t due = ++calls_ * count_ / advances_;
+    for (; issued_ < due; ++issued_) _mm_prefetch(lines_[issued_], _MM_HINT_T1);
+  }
+
+ private:
+  // A pair of Q4_1 panels over 2,560 inputs, or of Q8_0 ones over 1,536, with their scales; a
+  // longer pair's lines past these are left to the hardware.
+  static constexpr int64_t kMaxLines = 512;
+  const char* lines_[kMaxLines];
+  int64_t count_ = 0, issued_ = 0, calls_ = 0, advances_ = 1;
+};
+
 // Where a tile's pairs of panels come from: a step of one tile reads each group where it lies
 // (InPlace), and counts a Q8_0 block's codes as they go by; one of several tiles gathers the
 // pair once into a buffer that every tile reads (Gathered: 8 vectors a block, then each Q8_0
@@ -334,6 +369,7 @@ struct InPlace {
   static constexpr bool kKeepsOffsets = false;
   const uint8_t* codes;  // the pair's, interleaved
   inline __m512i group(int64_t b, int g) const { return F::group(codes + b * 2 * F::Format::kBlockBytes, g); }
+  inline void advance() const {}
 };
 
 template <typename F>
@@ -341,6 +377,8 @@ struct Gathered {
   static constexpr bool kKeepsOffsets = true;
   const __m512i* buffer;
   int64_t blocks;
+  NextPairPrefetch* prefetch;
+  inline void advance() const { prefetch->advance(); }
   inline __m512i group(int64_t b, int g) const { return buffer[b * 8 + g]; }
   inline __m512i offset(int64_t b) const { return buffer[blocks * 8 + b]; }
   static void gather(__m512i* buffer, const InPlace<F>& source, int64_t blocks) {
@@ -361,6 +399,7 @@ inline void tile_512(const int32_t* words, const float* scale, const float* sum,
   for (int r = 0; r < R; ++r) acc[r] = _mm512_setzero_ps();
   const int64_t blocks = K / 32;
   for (int64_t b = 0; b < blocks; ++b) {
+    source.advance();
     __m512i block[R], codes = _mm512_setzero_si512();
     for (int r = 0; r < R; ++r) block[r] = _mm512_setzero_si512();
 #pragma GCC unroll 8
@@ -409,14 +448,22 @@ inline void tile_512_of(int rows, const int32_t* words, const float* scale, cons
   }
 }
 
-// Panels p and p + 1 for every tile of the step.
+// Panels p and p + 1 for every tile of the step; with several tiles, the `next` panels from
+// p + 2 (0 to 2 of them: those this thread takes next) prefetched meanwhile.
 template <typename F, bool Swiglu>
 inline void panel_pair_512(int64_t p, const QuantizedRows& q, const Tiles& tiles, int64_t K, const uint8_t* cp,
-                           const float* dp, const float* mp, float* yp, int64_t N, __m512i* buffer) {
+                           const float* dp, const float* mp, float* yp, int64_t N, __m512i* buffer, int64_t next,
+                           NextPairPrefetch* prefetch) {
   const int64_t blocks = K / 32, panel_stride = blocks * kPanel, panel_bytes = blocks * F::Format::kBlockBytes;
   const InPlace<F> in_place{cp + p * panel_bytes};
-  if (tiles.count > 1) Gathered<F>::gather(buffer, in_place, blocks);
-  const Gathered<F> gathered{buffer, blocks};
+  if (tiles.count > 1) {
+    Gathered<F>::gather(buffer, in_place, blocks);
+    prefetch->start(tiles.count * blocks);
+    prefetch->add(cp + (p + 2) * panel_bytes, next * panel_bytes);
+    prefetch->add(dp + (p + 2) * panel_stride, next * panel_stride * static_cast<int64_t>(sizeof(float)));
+    if (mp) prefetch->add(mp + (p + 2) * panel_stride, next * panel_stride * static_cast<int64_t>(sizeof(float)));
+  }
+  const Gathered<F> gathered{buffer, blocks, prefetch};
   for (int64_t t = 0; t < tiles.count; ++t) {
     const int64_t r0 = tiles.first_row(t);
     const int rows = static_cast<int>(tiles.first_row(t + 1) - r0);
@@ -448,9 +495,11 @@ void all_panels(const torch::Tensor& x, int64_t K, const uint8_t* cp, const floa
   const QuantizedRows last = panels % 2 ? quantize_rows(x.data_ptr<float>(), rows, K, narrow, 0) : QuantizedRows{};
   at::parallel_for(0, (panels + 1) / 2, 1, [&](int64_t begin, int64_t end) {
     std::unique_ptr<__m512i[]> buffer(tiles.count > 1 ? new __m512i[blocks * 9] : nullptr);
+    std::unique_ptr<NextPairPrefetch> prefetch(tiles.count > 1 ? new NextPairPrefetch : nullptr);
     for (int64_t pair = begin; pair < end; ++pair) {
       if (2 * pair + 1 < panels) {
-        panel_pair_512<F, Swiglu>(2 * pair, q, tiles, K, cp, dp, mp, yp, N, buffer.get());
+        const int64_t next = pair + 1 < end ? std::min<int64_t>(2, panels - 2 * pair - 2) : 0;
+        panel_pair_512<F, Swiglu>(2 * pair, q, tiles, K, cp, dp, mp, yp, N, buffer.get(), next, prefetch.get());
       } else if constexpr (!Swiglu) {
         std::unique_ptr<__m256i[]> wide(new __m256i[blocks * 8 * Format::kVectors]);
         panels_for_all_tiles<Format, 1, false>(2 * pair, last, narrow, K, cp, dp, mp, yp, N, wide.get());
