@@ -1,8 +1,9 @@
 """The decode step's layers in one kernel call (model/decoder_stack.py, kernels/decoder_stack.cpp)
 against LlamaModel.forward's Python loop over the same kernels: the same logits and the same KV
-pool, bit for bit, step after step; only decode-only steps within its rows take it; it refuses
-what the kernels refuse. A tiny random Llama as a Q4_1 GGUF in float32, whose projections
-multiply by the int8 block kernels wherever they run (AVX2 or AVX512-VNNI)."""
+pool, bit for bit, step after step, over each KV pool dtype; only decode-only steps within its
+rows take it; models it cannot run never reach it; it refuses what the kernels refuse. A tiny
+random Llama as a Q4_1 GGUF in float32, whose projections multiply by the int8 block kernels
+wherever they run (AVX2 or AVX512-VNNI)."""
 from __future__ import annotations
 
 import pytest
@@ -11,9 +12,17 @@ import torch
 from isoserve.config import EngineConfig
 from isoserve.engine.engine import Engine
 from isoserve.engine.sampling_params import SamplingParams
+from isoserve.model.decoder_stack import build_stack, stack_rows
 from isoserve.model.loader import load_checkpoint
 
-PROMPTS = [[1, 9, 33, 7, 250, 12], [1, 4000, 17], list(range(100, 141)), [1, 2, 3, 4, 5, 6, 7, 8, 9]]
+from tiny_models import HAS_AVX2, NEEDS_AVX2
+
+# 12 sequences: a decode step of more rows than one tile holds (8 on AVX512-VNNI, 4 on AVX2), so
+# the tiles read gathered pairs of panels and prefetch the next pair (int8_matmul.cpp).
+PROMPTS = [[1, 9, 33, 7, 250, 12], [1, 4000, 17], list(range(100, 141)), [1, 2, 3, 4, 5, 6, 7, 8, 9],
+           [5] * 20, list(range(3000, 3033, 3)), [1, 77], list(range(500, 530)), [42] * 7,
+           [1, 11, 111, 1111], list(range(60, 77)), [9, 8, 7, 6, 5]]
+NEW_TOKENS = 24
 
 
 @pytest.fixture(scope="module")
@@ -21,9 +30,9 @@ def checkpoint(tiny_q4_1, tiny_cache):
     return load_checkpoint(str(tiny_q4_1), torch.float32, tiny_cache)
 
 
-def _engine(checkpoint, tiny_q4_1, *, stack: bool) -> Engine:
-    engine = Engine(EngineConfig(model=str(tiny_q4_1), dtype="float32", kv_dtype="bfloat16", page_size=16,
-                                 kv_tokens=2048), checkpoint=checkpoint)
+def _engine(checkpoint, tiny_q4_1, *, stack: bool = True, kv_dtype: str = "bfloat16", **options) -> Engine:
+    engine = Engine(EngineConfig(model=str(tiny_q4_1), dtype="float32", kv_dtype=kv_dtype, page_size=16,
+                                 kv_tokens=4096, **options), checkpoint=checkpoint)
     if not stack:
         engine.model.decoder_stack_rows = 0
     return engine
@@ -50,22 +59,22 @@ def _recording(engine: Engine) -> list[tuple[int, bool, torch.Tensor]]:
     return calls
 
 
-def _stack_applies(engine: Engine) -> bool:
-    kernels = getattr(engine.model.ops, "kernels", None)
-    return kernels is not None and kernels.int8_status() == ""
+def _bits(t: torch.Tensor) -> torch.Tensor:
+    return t.view({1: torch.uint8, 2: torch.int16, 4: torch.int32}[t.element_size()])
 
 
-def test_stack_gives_the_python_loops_logits_and_kv(checkpoint, tiny_q4_1):
-    fast, slow = _engine(checkpoint, tiny_q4_1, stack=True), _engine(checkpoint, tiny_q4_1, stack=False)
-    if not _stack_applies(fast):
-        assert fast.model.decoder_stack_rows == 0  # no int8 kernels here: every step runs the loop
-        return
+@NEEDS_AVX2
+@pytest.mark.parametrize("kv_dtype", ["bfloat16", "float8_e4m3fn", "float32"])
+def test_stack_gives_the_python_loops_logits_and_kv(checkpoint, tiny_q4_1, kv_dtype):
+    fast = _engine(checkpoint, tiny_q4_1, kv_dtype=kv_dtype)
+    slow = _engine(checkpoint, tiny_q4_1, stack=False, kv_dtype=kv_dtype)
     assert fast.model.decoder_stack_rows > len(PROMPTS)
     calls = {}
     for name, engine in (("fast", fast), ("slow", slow)):
         calls[name] = _recording(engine)
-        for i, prompt in enumerate(PROMPTS):  # a seeded sampled request among greedy ones
-            params = SamplingParams(max_tokens=24, temperature=0.0 if i else 0.8, seed=7, ignore_eos=True)
+        for i, prompt in enumerate(PROMPTS):  # seeded sampled requests among greedy ones
+            params = SamplingParams(max_tokens=NEW_TOKENS, temperature=0.8 if i % 4 == 0 else 0.0, seed=7 + i,
+                                    ignore_eos=True)
             engine.add_request(f"r{i}", prompt, params)
     tokens = {"fast": {}, "slow": {}}
     finished = 0
@@ -75,23 +84,22 @@ def test_stack_gives_the_python_loops_logits_and_kv(checkpoint, tiny_q4_1):
                 assert out.error is None
                 tokens[name].setdefault(out.request_id, []).extend(out.new_token_ids)
                 finished += out.finished and name == "fast"
-        assert torch.equal(fast.pool.kv.view(torch.int16), slow.pool.kv.view(torch.int16))
+        assert torch.equal(_bits(fast.pool.kv), _bits(slow.pool.kv))
     assert tokens["fast"] == tokens["slow"]
-    assert all(len(t) == 24 for t in tokens["fast"].values())
+    assert all(len(t) == NEW_TOKENS for t in tokens["fast"].values())
     assert len(calls["fast"]) == len(calls["slow"])
     for (rows, used, logits), (rows_slow, used_slow, logits_slow) in zip(calls["fast"], calls["slow"]):
         assert rows == rows_slow and not used_slow
-        assert torch.equal(logits.view(torch.int32), logits_slow.view(torch.int32))
-    # The first step prefills every prompt: the loop; the decode-only steps after it: the stack.
+        assert torch.equal(_bits(logits), _bits(logits_slow))
+    # The first step prefills every prompt: the loop; the decode-only steps after it: the stack,
+    # at 12 rows.
     assert not calls["fast"][0][1]
-    assert sum(used for _, used, _ in calls["fast"]) >= 20
+    assert sum(used and rows == len(PROMPTS) for rows, used, _ in calls["fast"]) >= NEW_TOKENS - 2
 
 
+@NEEDS_AVX2
 def test_only_decode_steps_within_its_rows_take_the_stack(checkpoint, tiny_q4_1):
-    engine = _engine(checkpoint, tiny_q4_1, stack=True)
-    if not _stack_applies(engine):
-        assert engine.model.decoder_stack_rows == 0
-        return
+    engine = _engine(checkpoint, tiny_q4_1)
     engine.model.decoder_stack_rows = 2
     calls = _recording(engine)
     params = SamplingParams(max_tokens=4, temperature=0.0, ignore_eos=True)
@@ -106,12 +114,36 @@ def test_only_decode_steps_within_its_rows_take_the_stack(checkpoint, tiny_q4_1)
         (len(PROMPTS[0]) + len(PROMPTS[1]), False), (2, True), (2 + len(PROMPTS[2]), False), (3, False)]
 
 
+@NEEDS_AVX2
+def test_models_it_cannot_run_never_reach_it(checkpoint, tiny_q4_1, tiny_checkpoint):
+    # Steps above --int4-max-rows multiply by the dense weight: the stack stops there.
+    limited = _engine(checkpoint, tiny_q4_1, int4_max_rows=3)
+    assert limited.model.decoder_stack_rows == 3
+    limited.model.decoder_stack_rows = 1000  # may only be lowered
+    assert limited.model.decoder_stack_rows == 3
+    # Other forms of the projections, other dtypes, torch ops: never.
+    for options in ({"int8_activations": False}, {"fused_kernels": False}):
+        other = _engine(checkpoint, tiny_q4_1, **options)
+        assert other.model.decoder_stack_rows == 0
+        with pytest.raises(ValueError, match="int8 Q4_1 kernels"):
+            build_stack(other.model, other.pool)
+    bf16 = Engine(EngineConfig(model=str(tiny_q4_1), dtype="bfloat16", kv_tokens=1024), checkpoint=tiny_checkpoint)
+    assert bf16.model.decoder_stack_rows == 0
+    # A bias on a projection (Qwen2's QKV) is work the stack does not do.
+    engine = _engine(checkpoint, tiny_q4_1)
+    assert stack_rows(engine.model) > 0
+    engine.model.layers[1].qkv.bias = torch.zeros(engine.model.layers[1].qkv.out_features)
+    assert stack_rows(engine.model) == 0
+
+
+def test_the_stack_runs_exactly_where_the_int8_kernels_do(checkpoint, tiny_q4_1):
+    # Without AVX2 the projections take other kernels, and every step the Python loop.
+    assert (_engine(checkpoint, tiny_q4_1).model.decoder_stack_rows > 0) == HAS_AVX2
+
+
+@NEEDS_AVX2
 def test_stack_refuses_what_the_kernels_refuse(checkpoint, tiny_q4_1):
-    engine = _engine(checkpoint, tiny_q4_1, stack=True)
-    if not _stack_applies(engine):
-        assert engine.model.decoder_stack_rows == 0
-        return
-    from isoserve.model.decoder_stack import build_stack
+    engine = _engine(checkpoint, tiny_q4_1)
     model, pool = engine.model, engine.pool
     stack = build_stack(model, pool)
     assert stack.num_layers == model.cfg.num_layers
@@ -135,7 +167,7 @@ def test_stack_refuses_what_the_kernels_refuse(checkpoint, tiny_q4_1):
     with pytest.raises(RuntimeError, match=f"KV slot {num_pages * pool.page_size} is outside the pool"):
         stack.decode(x.clone(), h, cos, sin, torch.tensor([3, num_pages * pool.page_size]),
                      torch.tensor([[0], [1]]), lens, model.scale)
-    assert torch.equal(pool.kv.view(torch.int16), before.view(torch.int16))
+    assert torch.equal(_bits(pool.kv), _bits(before))
     # A page table naming a page past the pool: refused before any key is read.
     with pytest.raises(RuntimeError, match=f"page {num_pages} is outside the pool"):
         stack.decode(x.clone(), h, cos, sin, slots, torch.tensor([[0], [num_pages]]), lens, model.scale)

@@ -107,12 +107,12 @@ class Engine:
         note = self.model.ops_note
         ops = self.model.ops
         kernel = ops.prefill_kernel_for(self.model.cfg.head_dim, self.pool.page_size, self.pool.kv.dtype)
-        prefill = f", prefill attention on {kernel}" if kernel else ""
+        details = f", prefill attention on {kernel}" if kernel else ""
         if self.pool.kv.dtype == torch.float8_e4m3fn and ops.kernels is not None and not ops.kernels.fast_fp8_kv:
-            prefill += ", float8 KV widened without AVX-512 (its attention slower than a bfloat16 pool's)"
+            details += ", float8 KV widened without AVX-512 (its attention slower than a bfloat16 pool's)"
         if self.model.decoder_stack_rows:
-            prefill += ", a decode step's layers in one call"
-        return ops.name + prefill + (f" ({note})" if note else "")
+            details += ", a decode step's layers in one call"
+        return ops.name + details + (f" ({note})" if note else "")
 
     # ---- limits -------------------------------------------------------------------------
     @property

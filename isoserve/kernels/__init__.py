@@ -1,5 +1,6 @@
 """Fused CPU kernels (cpu_ops.cpp, amx_matmul.cpp, amx_attention.cpp, vector_matmul.cpp,
-vector_attention.cpp, int8_matmul.cpp, f32_prefill_attention.cpp, decoder_stack.cpp), built with torch's C++ extension builder.
+vector_attention.cpp, int8_matmul.cpp, f32_prefill_attention.cpp, decoder_stack.cpp), built
+with torch's C++ extension builder.
 
 `make install` builds them once (`python -m isoserve.kernels`: ninja and the system C++
 compiler) into a folder named after a hash of the source, the flags and the torch version.

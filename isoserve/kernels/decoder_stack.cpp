@@ -3,16 +3,17 @@
 //
 // Why: at batch 32 on a 2-core Zen 4 the main thread spent ~9% of a decode step between
 // kernels (the interpreter, pybind11's argument casts, Projection's tier lookup, tensors'
-// wrappers), while the OpenMP worker span at the end of the previous parallel region waiting for
-// it (`perf record -e cpu-clock`, docs/benchmarks.md, session 33). Here that glue is a C++ loop
-// with the GIL released.
+// wrappers), while the OpenMP worker spun at the end of the previous parallel region waiting
+// for it (`perf record -e cpu-clock`, docs/benchmarks.md, session 33). Here that glue is a C++
+// loop with the GIL released.
 //
 // Which steps: decode-only steps of a float32 model whose projections all multiply by the int8
 // block kernels (int8_matmul.cpp: q4_1_linear_i8, and q4_1_swiglu_i8 for the merged gate-up)
 // with no bias, on the fused kernels (cpu_ops.cpp). model/decoder_stack.py decides, and builds
 // the stack once per KV pool; every other step runs the Python loop. Each kernel checks its
-// arguments as it does when Python calls it, so a step here and there refuse the same inputs,
-// and give the same bits (tests/test_decoder_stack.py).
+// arguments as it does when Python calls it (the inputs here are the contiguous outputs of the
+// kernel before, as Projection's .contiguous() leaves them there), and the two ways give the
+// same bits (tests/test_decoder_stack.py).
 //
 // The KV pool's pages are read and written only through the page tables and slots the step
 // passes, which the read guard checked before the step (kv/guard.py), as in the Python loop.
@@ -76,6 +77,7 @@ class DecoderStack {
       Layer& layer = layers_[i];
       const auto qkv = q4_1_linear_i8(h, layer.qkv.codes, layer.qkv.d, layer.qkv.m);
       const auto q = rotary_store(qkv, cos, sin, layer.k_cache, layer.v_cache, slots, heads_);
+      // bf16_dot: the binding's default, as FusedOps.decode_attention calls it (float32 ignores it)
       const auto a = decode_attention(q, layer.k_cache, layer.v_cache, pages, lens, scale, true);
       const auto attended = q4_1_linear_i8(a.reshape({a.size(0), -1}), layer.o.codes, layer.o.d, layer.o.m);
       h = add_rms_norm(x, attended, layer.post_norm, eps_);

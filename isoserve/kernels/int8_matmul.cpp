@@ -333,30 +333,40 @@ inline __m512i take_back_offset(__m512i codes) { return _mm512_sub_epi32(_mm512_
 // pair's burst waits on memory: the gate-up's 1.4 MB took its whole transfer time on top of
 // the tiles' arithmetic (docs/benchmarks.md, session 32). Issued all at once as a pair
 // starts, software prefetches did not help; spread this way a batch-32 decode step of the
-// default model took 26.3 ms against 28.5 on a 2-core Zen 4 (session 33). A step of one tile
-// (up to 8 rows) reads its weights as it goes, and was slower with them (batch 1: 4.5 ms
-// against 4.3), so it does not prefetch.
+// default model took 26.3 ms against 28.5 on a 2-core Zen 4 (docs/benchmarks.md, session
+// 33). A step of one tile (up to 8 rows) reads its weights as it goes, and was slower with
+// them (batch 1: 4.5 ms against 4.3), so it does not prefetch.
 class NextPairPrefetch {
  public:
-  void start(int64_t advances) { count_ = issued_ = calls_ = 0; advances_ = advances; }
-  // The cache lines of [p, p + bytes).
+  // A pair whose lines are to be spread over `advances` calls of advance().
+  void start(int64_t advances) {
+    ranges_ = range_ = 0;
+    lines_ = issued_ = calls_ = 0;
+    advances_ = std::max<int64_t>(1, advances);
+  }
+  // The cache lines of [p, p + bytes): one of the pair's codes, d and m.
   void add(const void* p, int64_t bytes) {
-    const uintptr_t first = reinterpret_cast<uintptr_t>(p) & ~uintptr_t{63};
-    const uintptr_t end = reinterpret_cast<uintptr_t>(p) + bytes;
-    for (uintptr_t line = first; line < end && count_ < kMaxLines; line += 64)
-      lines_[count_++] = reinterpret_cast<const char*>(line);
+    if (bytes <= 0 || ranges_ == kRanges) return;
+    const uintptr_t begin = reinterpret_cast<uintptr_t>(p), first = begin & ~uintptr_t{63};
+    lines_ += static_cast<int64_t>((begin + bytes - first + 63) / 64);
+    range_first_[ranges_] = first;
+    range_end_[ranges_++] = lines_;
   }
   inline void advance() {
-    const int64_t due = ++calls_ * count_ / advances_;
-    for (; issued_ < due; ++issued_) _mm_prefetch(lines_[issued_], _MM_HINT_T1);
+    const int64_t due = std::min(lines_, ++calls_ * lines_ / advances_);
+    for (; issued_ < due; ++issued_) {
+      while (issued_ >= range_end_[range_]) ++range_;
+      const int64_t before = range_ ? range_end_[range_ - 1] : 0;
+      _mm_prefetch(reinterpret_cast<const char*>(range_first_[range_] + 64 * (issued_ - before)), _MM_HINT_T1);
+    }
   }
 
  private:
-  // A pair of Q4_1 panels over 2,560 inputs, or of Q8_0 ones over 1,536, with their scales; a
-  // longer pair's lines past these are left to the hardware.
-  static constexpr int64_t kMaxLines = 512;
-  const char* lines_[kMaxLines];
-  int64_t count_ = 0, issued_ = 0, calls_ = 0, advances_ = 1;
+  static constexpr int kRanges = 3;  // codes, d, m
+  uintptr_t range_first_[kRanges];   // each range's first line
+  int64_t range_end_[kRanges];       // lines up to the end of each range, counted from the first
+  int ranges_ = 0, range_ = 0;
+  int64_t lines_ = 0, issued_ = 0, calls_ = 0, advances_ = 1;
 };
 
 // Where a tile's pairs of panels come from: a step of one tile reads each group where it lies

@@ -5,7 +5,8 @@ write, decode attention, the O projection, the residual add and norm, the gate-u
 the down projection and the next add and norm: ~8 kernel calls, with Python in between.
 kernels/decoder_stack.cpp runs the same calls in the same order in C++ (the same bits; the
 GIL released meanwhile). At batch 32 on a 2-core Zen 4, the interpreter and the calls' wrappers
-were ~9% of a decode step on the main thread, with the OpenMP worker waiting on it.
+were ~9% of a decode step on the main thread, with the OpenMP worker waiting on it
+(docs/benchmarks.md, session 33).
 
 It applies to steps with no prefill chunk, in float32 on the fused CPU kernels, where every
 layer's projections multiply by the int8 block kernels for the step's rows and carry no bias
@@ -31,7 +32,8 @@ def _int8_limit(projection, weight_type) -> int:
 def stack_rows(model) -> int:
     """Most rows a decode step may have for the stack to run it: 0 where it does not apply."""
     kernels = getattr(model.ops, "kernels", None)
-    if kernels is None or not hasattr(kernels, "DecoderStack") or model.dtype != torch.float32:
+    if (kernels is None or not hasattr(kernels, "DecoderStack") or model.dtype != torch.float32
+            or model.cfg.attention_bias):
         return 0
     limits = [min(_int8_limit(layer.qkv, Int8Q4Weight), _int8_limit(layer.o, Int8Q4Weight),
                   _int8_limit(layer.gate_up, Int8Q4SwigluWeight), _int8_limit(layer.down, Int8Q4Weight))
@@ -40,8 +42,12 @@ def stack_rows(model) -> int:
 
 
 def build_stack(model, pool):
-    """The kernels' DecoderStack over `model`'s layers and `pool`'s per-layer caches (stack_rows
-    must be positive)."""
+    """The kernels' DecoderStack over `model`'s layers and `pool`'s per-layer caches; a
+    ValueError where stack_rows says it does not apply (the kernels cannot tell weights in
+    another layout from theirs)."""
+    if stack_rows(model) <= 0:
+        raise ValueError("the decoder stack runs float32 layers whose projections all take the int8 "
+                         "Q4_1 kernels with no bias; this model's do not")
     layers = []
     for i, layer in enumerate(model.layers):
         k_cache, v_cache = pool.layer_cache(i)

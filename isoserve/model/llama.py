@@ -2,8 +2,9 @@
 
 Plain tensors and functions: merged QKV and gate-up projections, GQA, RoPE, RMSNorm, SwiGLU,
 tied embeddings. One forward runs a whole scheduler step (decodes and prefill chunks together);
-a decode-only step whose layers are all fused kernels runs them in one C++ call
-(model/decoder_stack.py), the same kernels in the same order as the loop here.
+a decode-only step of a float32 model whose projections all take the int8 Q4_1 kernels, with no
+bias, runs its layers in one C++ call (model/decoder_stack.py): the same kernels in the same
+order as the loop here.
 """
 from __future__ import annotations
 
@@ -100,10 +101,21 @@ class LlamaModel:
         self.rope = RotaryEmbedding(cfg, max_positions or cfg.max_position_embeddings, dtype, self.device)
         self.scale = cfg.head_dim ** -0.5
         self._q_size = cfg.num_heads * cfg.head_dim
-        # Decode-only steps of at most this many rows run the layers in one kernel call
-        # (model/decoder_stack.py); 0: never. Tests turn it off to compare the two ways.
-        self.decoder_stack_rows = stack_rows(self)
+        self._stack_rows_limit = stack_rows(self)  # what the layers allow (model/decoder_stack.py)
+        self.decoder_stack_rows = self._stack_rows_limit
         self._stack: tuple[KVPool, object] | None = None  # (the pool it was built for, the stack)
+
+    @property
+    def decoder_stack_rows(self) -> int:
+        """Decode-only steps of at most this many rows run the layers in one kernel call
+        (model/decoder_stack.py); 0: never."""
+        return self._decoder_stack_rows
+
+    @decoder_stack_rows.setter
+    def decoder_stack_rows(self, rows: int) -> None:
+        # Only ever lowered below what the layers allow (tests turn it off to compare the two
+        # ways): above it the stack would hand the int8 kernels weights in another form.
+        self._decoder_stack_rows = max(0, min(rows, self._stack_rows_limit))
 
     def _projection(self, weight: torch.Tensor, bias: torch.Tensor | None, tiers: list, what: str = "") -> Projection:
         if tiers:
@@ -127,6 +139,8 @@ class LlamaModel:
             self._decoder_stack(pool).decode(x, h, cos, sin, attn.write_slots, attn.decode_pages, attn.decode_lens,
                                              self.scale)
             return self._logits(x, logits_rows)
+        # Keep this loop in step with kernels/decoder_stack.cpp, and decoder_stack.stack_rows with
+        # what that copy of it can run.
         for i, layer in enumerate(self.layers):
             k_cache, v_cache = pool.layer_cache(i)
             q = ops.rotary_store(layer.qkv(h), cos, sin, k_cache, v_cache, attn.write_slots, cfg.num_heads)
