@@ -285,13 +285,13 @@ void prefill_attention_f32(const torch::Tensor& q, const torch::Tensor& k_cache,
   TORCH_CHECK(!out.is_alias_of(q), "out must not share memory with q");  // blocks write rows others read
   TORCH_CHECK(k_cache.dim() == 4 && v_cache.sizes() == k_cache.sizes(),
               "caches must be [kv_heads, pages, page_size, head_dim]");
+#if defined(__AVX512F__) && defined(__AVX512BW__)  // (without it, kBuilt refused above)
   const int64_t T = q.size(0);
   Shape s{q.size(1), k_cache.size(0), q.size(2), k_cache.size(1), k_cache.size(2), q.size(1) * q.size(2)};
   TORCH_CHECK(k_cache.size(3) == s.dim, "q and the caches disagree on head_dim");
   TORCH_CHECK(s.dim == 32 || s.dim == 64 || s.dim == 128,
               "prefill_attention_f32 takes head_dim 32, 64 or 128, not ", s.dim);
   TORCH_CHECK(s.kv_heads > 0 && s.heads % s.kv_heads == 0, "query heads must be a positive multiple of KV heads");
-#if defined(__AVX512F__) && defined(__AVX512BW__)
   const std::vector<isoserve::PrefillSpan> spans =
       isoserve::checked_prefill_spans(chunks, pages, T, s.page_size, s.num_pages, "prefill_attention_f32");
   std::vector<Chunk> list;

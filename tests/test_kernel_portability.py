@@ -1,0 +1,39 @@
+"""The fused CPU kernels compile for an AVX2-only CPU, whatever CPU runs the tests.
+
+`make install` builds them with -march=native, so a machine compiles only its own CPU's paths:
+a path for AVX2-only CPUs (AMD Zen 3, where isoserve runs float32 with int8 tiles) that does not
+compile goes unnoticed on an AVX-512 machine, and on a Zen 3 host the build then fails and
+every layer falls back to torch ops, several times slower (session 32's float32 prefill
+attention kernel did so, found in session 33: an AVX-512-only type used outside its guard).
+Each source is compiled here, syntax only, for x86-64-v3 (AVX2 and FMA, no AVX-512) with the
+build's other flags: ~20 s a source, on every core.
+"""
+from __future__ import annotations
+
+import os
+import shutil
+import subprocess
+import sysconfig
+from concurrent.futures import ThreadPoolExecutor
+
+from torch.utils.cpp_extension import include_paths
+
+from isoserve.kernels import CFLAGS, SOURCES
+
+LEVEL = "x86-64-v3"
+
+
+def _check(source) -> tuple[str, subprocess.CompletedProcess]:
+    flags = [f"-march={LEVEL}" if flag == "-march=native" else flag for flag in CFLAGS]
+    includes = [arg for path in include_paths() + [sysconfig.get_paths()["include"]] for arg in ("-isystem", path)]
+    command = [shutil.which("c++") or "c++", "-fsyntax-only", "-std=c++20", *flags, *includes,
+               "-DTORCH_EXTENSION_NAME=portability_check", "-DTORCH_API_INCLUDE_EXTENSION_H", str(source)]
+    return source.name, subprocess.run(command, capture_output=True, text=True)
+
+
+def test_kernels_compile_for_an_avx2_cpu_without_avx512():
+    assert "-march=native" in CFLAGS  # the flag replaced above
+    with ThreadPoolExecutor(max_workers=os.cpu_count() or 1) as pool:
+        results = list(pool.map(_check, SOURCES))
+    failed = {name: result.stderr[-3000:] for name, result in results if result.returncode != 0}
+    assert not failed, f"kernel sources that do not compile for -march={LEVEL}: {failed}"
