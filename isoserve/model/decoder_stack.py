@@ -1,4 +1,4 @@
-"""A decode step's decoder layers in one kernel call, where every layer's work is a fused kernel.
+"""A decode step's decoder layers in one kernel call, where its projections all take the int8 kernels.
 
 LlamaModel.forward's loop over its layers calls, per layer, the QKV projection, RoPE and the KV
 write, decode attention, the O projection, the residual add and norm, the gate-up with SwiGLU,
