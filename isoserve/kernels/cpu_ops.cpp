@@ -26,6 +26,7 @@
 #include "bf16x16.h"
 #include "f32x8.h"
 #include "fp8.h"
+#include "entry_points.h"
 #include "page_reads.h"
 
 #if defined(__AVX512BF16__)
@@ -204,7 +205,7 @@ torch::Tensor rms_norm(const torch::Tensor& x, const torch::Tensor& w, double ep
 
 }  // namespace
 
-// Also called by decoder_stack.cpp.
+// Declared in entry_points.h: decoder_stack.cpp calls it too.
 // x += y in place (the residual stream), then returns rms_norm(x).
 torch::Tensor add_rms_norm(torch::Tensor& x, const torch::Tensor& y, const torch::Tensor& w, double eps) {
   check_norm(x, w);
@@ -388,7 +389,7 @@ void rotary_rows(const T* qkv, const T* cos, const T* sin, const int64_t* slot, 
 
 }  // namespace
 
-// Also called by decoder_stack.cpp.
+// Declared in entry_points.h: decoder_stack.cpp calls it too.
 torch::Tensor rotary_store(const torch::Tensor& qkv, const torch::Tensor& cos, const torch::Tensor& sin,
                            torch::Tensor& k_cache, torch::Tensor& v_cache, const torch::Tensor& slots,
                            int64_t heads) {
@@ -780,7 +781,7 @@ void decode_attention_impl(const T* q, const KV* kc, const KV* vc, const int64_t
 
 }  // namespace
 
-// Also called by decoder_stack.cpp.
+// Declared in entry_points.h: decoder_stack.cpp calls it too.
 torch::Tensor decode_attention(const torch::Tensor& q, const torch::Tensor& k_cache,
                                const torch::Tensor& v_cache, const torch::Tensor& pages,
                                const torch::Tensor& lens, double scale, bool bf16_dot) {
@@ -1001,37 +1002,6 @@ std::vector<std::pair<int64_t, int64_t>> check_reads(
 }
 
 }  // namespace
-
-// amx_matmul.cpp
-std::string amx_status();
-torch::Tensor q4_1_linear(const torch::Tensor& x, const torch::Tensor& blocks, int64_t out_features);
-torch::Tensor q4_1_swiglu(const torch::Tensor& x, const torch::Tensor& blocks, int64_t out_features);
-torch::Tensor q8_0_linear(const torch::Tensor& x, const torch::Tensor& blocks, int64_t out_features);
-// vector_matmul.cpp
-std::string vector_status();
-torch::Tensor q4_1_linear_f32(const torch::Tensor& x, const torch::Tensor& codes, const torch::Tensor& d,
-                              const torch::Tensor& m);
-torch::Tensor q8_0_linear_f32(const torch::Tensor& x, const torch::Tensor& codes, const torch::Tensor& d);
-// int8_matmul.cpp
-std::string int8_status();
-std::string int8_isa();
-torch::Tensor q4_1_linear_i8(const torch::Tensor& x, const torch::Tensor& codes, const torch::Tensor& d,
-                             const torch::Tensor& m);
-torch::Tensor q4_1_swiglu_i8(const torch::Tensor& x, const torch::Tensor& codes, const torch::Tensor& d,
-                             const torch::Tensor& m);
-torch::Tensor q8_0_linear_i8(const torch::Tensor& x, const torch::Tensor& codes, const torch::Tensor& d);
-// amx_attention.cpp
-void prefill_attention(const torch::Tensor& q, const torch::Tensor& k_cache, const torch::Tensor& v_cache,
-                       const torch::Tensor& chunks, const torch::Tensor& pages, torch::Tensor& out,
-                       double scale);
-// f32_prefill_attention.cpp
-std::string f32_prefill_status();
-void prefill_attention_f32(const torch::Tensor& q, const torch::Tensor& k_cache, const torch::Tensor& v_cache,
-                           const torch::Tensor& chunks, const torch::Tensor& pages, torch::Tensor& out,
-                           double scale);
-
-// decoder_stack.cpp
-void register_decoder_stack(pybind11::module& m);
 
 PYBIND11_MODULE(TORCH_EXTENSION_NAME, m) {
   m.def("rms_norm", &rms_norm, "RMSNorm of [rows, n] rows");

@@ -22,17 +22,7 @@
 #include <cstdint>
 #include <vector>
 
-// cpu_ops.cpp
-torch::Tensor add_rms_norm(torch::Tensor& x, const torch::Tensor& y, const torch::Tensor& w, double eps);
-torch::Tensor rotary_store(const torch::Tensor& qkv, const torch::Tensor& cos, const torch::Tensor& sin,
-                           torch::Tensor& k_cache, torch::Tensor& v_cache, const torch::Tensor& slots, int64_t heads);
-torch::Tensor decode_attention(const torch::Tensor& q, const torch::Tensor& k_cache, const torch::Tensor& v_cache,
-                               const torch::Tensor& pages, const torch::Tensor& lens, double scale, bool bf16_dot);
-// int8_matmul.cpp
-torch::Tensor q4_1_linear_i8(const torch::Tensor& x, const torch::Tensor& codes, const torch::Tensor& d,
-                             const torch::Tensor& m);
-torch::Tensor q4_1_swiglu_i8(const torch::Tensor& x, const torch::Tensor& codes, const torch::Tensor& d,
-                             const torch::Tensor& m);
+#include "entry_points.h"
 
 namespace {
 

@@ -505,11 +505,11 @@ void all_panels(const torch::Tensor& x, int64_t K, const uint8_t* cp, const floa
   const QuantizedRows last = panels % 2 ? quantize_rows(x.data_ptr<float>(), rows, K, narrow, 0) : QuantizedRows{};
   at::parallel_for(0, (panels + 1) / 2, 1, [&](int64_t begin, int64_t end) {
     std::unique_ptr<__m512i[]> buffer(tiles.count > 1 ? new __m512i[blocks * 9] : nullptr);
-    std::unique_ptr<NextPairPrefetch> prefetch(tiles.count > 1 ? new NextPairPrefetch : nullptr);
+    NextPairPrefetch prefetch;  // used only where the step has several tiles
     for (int64_t pair = begin; pair < end; ++pair) {
       if (2 * pair + 1 < panels) {
         const int64_t next = pair + 1 < end ? std::min<int64_t>(2, panels - 2 * pair - 2) : 0;
-        panel_pair_512<F, Swiglu>(2 * pair, q, tiles, K, cp, dp, mp, yp, N, buffer.get(), next, prefetch.get());
+        panel_pair_512<F, Swiglu>(2 * pair, q, tiles, K, cp, dp, mp, yp, N, buffer.get(), next, &prefetch);
       } else if constexpr (!Swiglu) {
         std::unique_ptr<__m256i[]> wide(new __m256i[blocks * 8 * Format::kVectors]);
         panels_for_all_tiles<Format, 1, false>(2 * pair, last, narrow, K, cp, dp, mp, yp, N, wide.get());

@@ -22,7 +22,7 @@ from isoserve.model.int8_blocks import Int8Q4SwigluWeight, Int8Q4Weight
 
 def _int8_limit(projection, weight_type) -> int:
     """Most rows for which `projection` multiplies by its single int8 tier of `weight_type`; 0 when
-    it has another form (other tiers, a bias, another kernel)."""
+    it has another form (other tiers, another kernel) or a bias (Qwen2's QKV: cfg.attention_bias)."""
     if projection.bias is not None or len(projection.tiers) != 1:
         return 0
     rows, weight = projection.tiers[0]
@@ -32,8 +32,7 @@ def _int8_limit(projection, weight_type) -> int:
 def stack_rows(model) -> int:
     """Most rows a decode step may have for the stack to run it: 0 where it does not apply."""
     kernels = getattr(model.ops, "kernels", None)
-    if (kernels is None or not hasattr(kernels, "DecoderStack") or model.dtype != torch.float32
-            or model.cfg.attention_bias):
+    if kernels is None or model.dtype != torch.float32:
         return 0
     limits = [min(_int8_limit(layer.qkv, Int8Q4Weight), _int8_limit(layer.o, Int8Q4Weight),
                   _int8_limit(layer.gate_up, Int8Q4SwigluWeight), _int8_limit(layer.down, Int8Q4Weight))

@@ -1,0 +1,44 @@
+// The kernels' entry points that one source file calls in another: cpu_ops.cpp's module
+// definition binds them all; decoder_stack.cpp calls the decode step's kernels directly.
+#pragma once
+
+#include <torch/extension.h>
+
+#include <cstdint>
+#include <string>
+
+// cpu_ops.cpp (the rest of its kernels are bound where they are defined)
+torch::Tensor add_rms_norm(torch::Tensor& x, const torch::Tensor& y, const torch::Tensor& w, double eps);
+torch::Tensor rotary_store(const torch::Tensor& qkv, const torch::Tensor& cos, const torch::Tensor& sin,
+                           torch::Tensor& k_cache, torch::Tensor& v_cache, const torch::Tensor& slots, int64_t heads);
+torch::Tensor decode_attention(const torch::Tensor& q, const torch::Tensor& k_cache, const torch::Tensor& v_cache,
+                               const torch::Tensor& pages, const torch::Tensor& lens, double scale, bool bf16_dot);
+// amx_matmul.cpp
+std::string amx_status();
+torch::Tensor q4_1_linear(const torch::Tensor& x, const torch::Tensor& blocks, int64_t out_features);
+torch::Tensor q4_1_swiglu(const torch::Tensor& x, const torch::Tensor& blocks, int64_t out_features);
+torch::Tensor q8_0_linear(const torch::Tensor& x, const torch::Tensor& blocks, int64_t out_features);
+// vector_matmul.cpp
+std::string vector_status();
+torch::Tensor q4_1_linear_f32(const torch::Tensor& x, const torch::Tensor& codes, const torch::Tensor& d,
+                              const torch::Tensor& m);
+torch::Tensor q8_0_linear_f32(const torch::Tensor& x, const torch::Tensor& codes, const torch::Tensor& d);
+// int8_matmul.cpp
+std::string int8_status();
+std::string int8_isa();
+torch::Tensor q4_1_linear_i8(const torch::Tensor& x, const torch::Tensor& codes, const torch::Tensor& d,
+                             const torch::Tensor& m);
+torch::Tensor q4_1_swiglu_i8(const torch::Tensor& x, const torch::Tensor& codes, const torch::Tensor& d,
+                             const torch::Tensor& m);
+torch::Tensor q8_0_linear_i8(const torch::Tensor& x, const torch::Tensor& codes, const torch::Tensor& d);
+// amx_attention.cpp
+void prefill_attention(const torch::Tensor& q, const torch::Tensor& k_cache, const torch::Tensor& v_cache,
+                       const torch::Tensor& chunks, const torch::Tensor& pages, torch::Tensor& out,
+                       double scale);
+// f32_prefill_attention.cpp
+std::string f32_prefill_status();
+void prefill_attention_f32(const torch::Tensor& q, const torch::Tensor& k_cache, const torch::Tensor& v_cache,
+                           const torch::Tensor& chunks, const torch::Tensor& pages, torch::Tensor& out,
+                           double scale);
+// decoder_stack.cpp: adds the DecoderStack class to the module
+void register_decoder_stack(pybind11::module& m);
