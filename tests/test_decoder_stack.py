@@ -171,3 +171,36 @@ def test_stack_refuses_what_the_kernels_refuse(checkpoint, tiny_q4_1):
     # A page table naming a page past the pool: refused before any key is read.
     with pytest.raises(RuntimeError, match=f"page {num_pages} is outside the pool"):
         stack.decode(x.clone(), h, cos, sin, slots, torch.tensor([[0], [num_pages]]), lens, model.scale)
+
+
+@NEEDS_AVX2
+def test_the_keys_it_requests_ahead_are_those_attention_reads(checkpoint, tiny_q4_1):
+    # While a layer's down projection runs, the stack requests the next layer's keys into cache
+    # (kernels/line_prefetch.h): exactly the lines of keys [0, len) of each sequence and KV head,
+    # in attention's order, through pages in runs and scattered, full and partial.
+    engine = _engine(checkpoint, tiny_q4_1)
+    model, pool = engine.model, engine.pool
+    stack = build_stack(model, pool)
+    k_cache, _ = pool.layer_cache(0)
+    kv_heads, num_pages, page_size, dim = k_cache.shape
+    key_bytes = dim * k_cache.element_size()
+    pages = torch.tensor([[5, 6, 9, 2], [7, 8, 0, 0], [3, 1, 4, 0], [11, 0, 0, 0]])
+    lens = torch.tensor([3 * page_size + 12, page_size + 1, 2 * page_size + 1, 1])
+    expected = []
+    for b in range(len(lens)):
+        for h in range(kv_heads):
+            for t in range(int(lens[b])):
+                offset = ((h * num_pages + int(pages[b, t // page_size])) * page_size + t % page_size) * key_bytes
+                for line in range(offset // 64, (offset + key_bytes - 1) // 64 + 1):
+                    if not expected or expected[-1] != line:
+                        expected.append(line)
+    ranges = stack.planned_key_lines(pages, lens).tolist()
+    planned = [first // 64 + i for first, lines in ranges for i in range(lines)]
+    assert planned == expected
+    # Pages 5 and 6 are one run: one range for them; 9 and 2 are each their own.
+    assert len(ranges) < sum(-(-int(n) // page_size) for n in lens) * kv_heads
+    # A page past the pool is refused before any address is formed from it.
+    with pytest.raises(RuntimeError, match=f"page {num_pages} is outside the pool"):
+        stack.planned_key_lines(torch.tensor([[0, num_pages]]), torch.tensor([page_size + 1]))
+    with pytest.raises(RuntimeError, match="reads 65 keys from a 4-page table"):
+        stack.planned_key_lines(pages[:1], torch.tensor([4 * page_size + 1]))

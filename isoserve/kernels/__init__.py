@@ -32,7 +32,7 @@ SOURCES = [Path(__file__).with_name(name) for name in ("cpu_ops.cpp", "amx_matmu
                                                          "vector_matmul.cpp", "vector_attention.cpp", "int8_matmul.cpp",
                                                          "f32_prefill_attention.cpp", "decoder_stack.cpp")]
 HEADERS = [Path(__file__).with_name(name) for name in ("amx.h", "bf16x16.h", "block_linear.h", "entry_points.h", "f32x8.h", "fp8.h",
-                                                         "page_reads.h", "prefill_chunks.h")]
+                                                         "line_prefetch.h", "page_reads.h", "prefill_chunks.h")]
 # Native code for the CPU it is built on, minus AMX: a process must ask Linux for the tile state
 # before its first AMX instruction, or that instruction faults (as llama.cpp's does on these VMs:
 # bench/build_llama_server.sh). amx_matmul.cpp enables AMX for its own functions only, and runs

@@ -1039,7 +1039,10 @@ PYBIND11_MODULE(TORCH_EXTENSION_NAME, m) {
         py::arg("x"), py::arg("codes"), py::arg("d"));
   m.def("int8_status", &int8_status, "'' when q4_1_linear_i8 can run on this machine, else why not");
   m.def("int8_isa", &int8_isa, "the int8 block matmuls' tiles: 'avx512-vnni', 'avx2', or '' where they cannot run");
-  m.def("q4_1_linear_i8", &q4_1_linear_i8,
+  m.def("q4_1_linear_i8",
+        [](const torch::Tensor& x, const torch::Tensor& codes, const torch::Tensor& d, const torch::Tensor& m) {
+          return q4_1_linear_i8(x, codes, d, m);
+        },
         "x W^T for Q4_1 blocks with x quantized to int8 by blocks of 32 (model/int8_blocks.py), AVX2 or AVX512-VNNI",
         py::arg("x"), py::arg("codes"), py::arg("d"), py::arg("m"));
   m.def("q4_1_swiglu_i8", &q4_1_swiglu_i8,

@@ -7,6 +7,8 @@
 #include <cstdint>
 #include <string>
 
+#include "line_prefetch.h"
+
 // cpu_ops.cpp (the rest of its kernels are bound where they are defined)
 torch::Tensor add_rms_norm(torch::Tensor& x, const torch::Tensor& y, const torch::Tensor& w, double eps);
 torch::Tensor rotary_store(const torch::Tensor& qkv, const torch::Tensor& cos, const torch::Tensor& sin,
@@ -26,8 +28,9 @@ torch::Tensor q8_0_linear_f32(const torch::Tensor& x, const torch::Tensor& codes
 // int8_matmul.cpp
 std::string int8_status();
 std::string int8_isa();
+// side: another kernel's input, requested into cache while the tiles run (line_prefetch.h)
 torch::Tensor q4_1_linear_i8(const torch::Tensor& x, const torch::Tensor& codes, const torch::Tensor& d,
-                             const torch::Tensor& m);
+                             const torch::Tensor& m, const isoserve::LineSlice* side = nullptr);
 torch::Tensor q4_1_swiglu_i8(const torch::Tensor& x, const torch::Tensor& codes, const torch::Tensor& d,
                              const torch::Tensor& m);
 torch::Tensor q8_0_linear_i8(const torch::Tensor& x, const torch::Tensor& codes, const torch::Tensor& d);

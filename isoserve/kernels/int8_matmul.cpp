@@ -56,6 +56,7 @@
 
 #include "block_linear.h"
 #include "f32x8.h"
+#include "line_prefetch.h"
 
 #include <algorithm>
 #include <cmath>
@@ -388,7 +389,8 @@ struct Gathered {
   const __m512i* buffer;
   int64_t blocks;
   NextPairPrefetch* prefetch;
-  inline void advance() const { prefetch->advance(); }
+  isoserve::LineStream* side;  // another kernel's next input (line_prefetch.h)
+  inline void advance() const { prefetch->advance(); side->advance(); }
   inline __m512i group(int64_t b, int g) const { return buffer[b * 8 + g]; }
   inline __m512i offset(int64_t b) const { return buffer[blocks * 8 + b]; }
   static void gather(__m512i* buffer, const InPlace<F>& source, int64_t blocks) {
@@ -463,7 +465,7 @@ inline void tile_512_of(int rows, const int32_t* words, const float* scale, cons
 template <typename F, bool Swiglu>
 inline void panel_pair_512(int64_t p, const QuantizedRows& q, const Tiles& tiles, int64_t K, const uint8_t* cp,
                            const float* dp, const float* mp, float* yp, int64_t N, __m512i* buffer, int64_t next,
-                           NextPairPrefetch* prefetch) {
+                           NextPairPrefetch* prefetch, isoserve::LineStream* side) {
   const int64_t blocks = K / 32, panel_stride = blocks * kPanel, panel_bytes = blocks * F::Format::kBlockBytes;
   const InPlace<F> in_place{cp + p * panel_bytes};
   if (tiles.count > 1) {
@@ -473,7 +475,7 @@ inline void panel_pair_512(int64_t p, const QuantizedRows& q, const Tiles& tiles
     prefetch->add(dp + (p + 2) * panel_stride, next * panel_stride * static_cast<int64_t>(sizeof(float)));
     if (mp) prefetch->add(mp + (p + 2) * panel_stride, next * panel_stride * static_cast<int64_t>(sizeof(float)));
   }
-  const Gathered<F> gathered{buffer, blocks, prefetch};
+  const Gathered<F> gathered{buffer, blocks, prefetch, side};
   for (int64_t t = 0; t < tiles.count; ++t) {
     const int64_t r0 = tiles.first_row(t);
     const int rows = static_cast<int>(tiles.first_row(t + 1) - r0);
@@ -496,7 +498,7 @@ template <> struct Zmm<Q8_0> { using type = Q8_0x16; };
 // rows quantized again for those (unflipped, in tiles of 4).
 template <typename Format, bool Swiglu>
 void all_panels(const torch::Tensor& x, int64_t K, const uint8_t* cp, const float* dp, const float* mp, float* yp,
-                int64_t panels, int64_t N) {
+                int64_t panels, int64_t N, const isoserve::LineSlice* side) {
   using F = typename Zmm<Format>::type;
   const int64_t rows = x.size(0), blocks = K / 32;
   const Tiles tiles{rows, (rows + kZmmTile - 1) / kZmmTile};
@@ -506,10 +508,16 @@ void all_panels(const torch::Tensor& x, int64_t K, const uint8_t* cp, const floa
   at::parallel_for(0, (panels + 1) / 2, 1, [&](int64_t begin, int64_t end) {
     std::unique_ptr<__m512i[]> buffer(tiles.count > 1 ? new __m512i[blocks * 9] : nullptr);
     NextPairPrefetch prefetch;  // used only where the step has several tiles
+    // This thread's share of `side`, as its share of the pairs, spread over its tiles' blocks
+    // (a step of one tile reads its weights as it goes, and requests nothing).
+    isoserve::LineStream side_lines;
+    if (side && tiles.count > 1)
+      side_lines.start(side->share(begin, end, (panels + 1) / 2), (end - begin) * tiles.count * blocks);
     for (int64_t pair = begin; pair < end; ++pair) {
       if (2 * pair + 1 < panels) {
         const int64_t next = pair + 1 < end ? std::min<int64_t>(2, panels - 2 * pair - 2) : 0;
-        panel_pair_512<F, Swiglu>(2 * pair, q, tiles, K, cp, dp, mp, yp, N, buffer.get(), next, &prefetch);
+        panel_pair_512<F, Swiglu>(2 * pair, q, tiles, K, cp, dp, mp, yp, N, buffer.get(), next, &prefetch,
+                                  &side_lines);
       } else if constexpr (!Swiglu) {
         std::unique_ptr<__m256i[]> wide(new __m256i[blocks * 8 * Format::kVectors]);
         panels_for_all_tiles<Format, 1, false>(2 * pair, last, narrow, K, cp, dp, mp, yp, N, wide.get());
@@ -518,10 +526,11 @@ void all_panels(const torch::Tensor& x, int64_t K, const uint8_t* cp, const floa
   });
 }
 #else
-// Every pair of panels (and an odd panel count's last one) by the tiles above.
+// Every pair of panels (and an odd panel count's last one) by the tiles above. No side lines:
+// prefetching slowed these tiles (session 33), and requesting KV from them is unmeasured.
 template <typename Format, bool Swiglu>
 void all_panels(const torch::Tensor& x, int64_t K, const uint8_t* cp, const float* dp, const float* mp, float* yp,
-                int64_t panels, int64_t N) {
+                int64_t panels, int64_t N, const isoserve::LineSlice*) {
   const int64_t rows = x.size(0), blocks = K / 32;
   const Tiles tiles{rows, (rows + kTile - 1) / kTile};
   const QuantizedRows q = quantize_rows(x.data_ptr<float>(), rows, K, tiles, 0);
@@ -540,7 +549,7 @@ void all_panels(const torch::Tensor& x, int64_t K, const uint8_t* cp, const floa
 
 template <typename Format, bool Swiglu = false>
 torch::Tensor int8_linear(const char* name, const torch::Tensor& x, const torch::Tensor& codes,
-                          const torch::Tensor& d, const torch::Tensor* m) {
+                          const torch::Tensor& d, const torch::Tensor* m, const isoserve::LineSlice* side = nullptr) {
   isoserve::check_block_linear(name, x, codes, d, m, [](int64_t K) { return K / 32 * Format::kBlockBytes; });
   const int64_t rows = x.size(0), K = x.size(1), panels = d.size(0);
   TORCH_CHECK(!Swiglu || panels % 2 == 0, name, " takes pairs of gate and up panels, not ", panels, " panels");
@@ -548,7 +557,7 @@ torch::Tensor int8_linear(const char* name, const torch::Tensor& x, const torch:
   auto y = torch::empty({rows, N}, x.options());
   if (rows == 0) return y;
   all_panels<Format, Swiglu>(x, K, codes.data_ptr<uint8_t>(), d.data_ptr<float>(), m ? m->data_ptr<float>() : nullptr,
-                             y.data_ptr<float>(), panels, N);
+                             y.data_ptr<float>(), panels, N, side);
   return y;
 }
 #else
@@ -573,8 +582,8 @@ std::string int8_isa() {
 
 #if defined(__AVX2__) && defined(__FMA__)
 torch::Tensor q4_1_linear_i8(const torch::Tensor& x, const torch::Tensor& codes, const torch::Tensor& d,
-                             const torch::Tensor& m) {
-  return int8_linear<Q4_1>("q4_1_linear_i8", x, codes, d, &m);
+                             const torch::Tensor& m, const isoserve::LineSlice* side) {
+  return int8_linear<Q4_1>("q4_1_linear_i8", x, codes, d, &m, side);
 }
 
 torch::Tensor q4_1_swiglu_i8(const torch::Tensor& x, const torch::Tensor& codes, const torch::Tensor& d,
@@ -586,7 +595,8 @@ torch::Tensor q8_0_linear_i8(const torch::Tensor& x, const torch::Tensor& codes,
   return int8_linear<Q8_0>("q8_0_linear_i8", x, codes, d, nullptr);
 }
 #else
-torch::Tensor q4_1_linear_i8(const torch::Tensor&, const torch::Tensor&, const torch::Tensor&, const torch::Tensor&) {
+torch::Tensor q4_1_linear_i8(const torch::Tensor&, const torch::Tensor&, const torch::Tensor&, const torch::Tensor&,
+                             const isoserve::LineSlice*) {
   TORCH_CHECK(false, "q4_1_linear_i8 needs a build for a CPU with AVX2 and FMA");
 }
 
