@@ -76,8 +76,9 @@ class DecoderStack {
     isoserve::LinePlan keys;
     plan_key_reads(pages, lens, keys);
     auto out = torch::empty({static_cast<int64_t>(keys.ranges()), 2}, torch::kLong);
+    auto rows = out.accessor<int64_t, 2>();
     for (size_t r = 0; r < keys.ranges(); ++r)
-      out[r][0] = keys.first(r), out[r][1] = keys.end(r) - keys.before(r);
+      rows[r][0] = keys.first(r), rows[r][1] = keys.end(r) - keys.before(r);
     return out;
   }
 
