@@ -95,12 +95,9 @@ class DecoderStack {
     const bool keys_ahead = keys.lines_total() * 64 <= kKeyPrefetchBytesPerRow * x.size(0);
     for (size_t i = 0; i < layers_.size(); ++i) {
       Layer& layer = layers_[i];
-      isoserve::LineSlice next_keys;
-      if (keys_ahead && i + 1 < layers_.size()) {
-        next_keys.plan = &keys;
-        next_keys.base = static_cast<const char*>(layers_[i + 1].k_cache.data_ptr());
-        next_keys.end = keys.lines_total();
-      }
+      isoserve::LineSlice<> next_keys;
+      if (keys_ahead && i + 1 < layers_.size())
+        next_keys = isoserve::LineSlice<>::all(keys, reinterpret_cast<uintptr_t>(layers_[i + 1].k_cache.data_ptr()));
       const auto qkv = q4_1_linear_i8(h, layer.qkv.codes, layer.qkv.d, layer.qkv.m);
       const auto q = rotary_store(qkv, cos, sin, layer.k_cache, layer.v_cache, slots, heads_);
       // bf16_dot: the binding's default, as FusedOps.decode_attention calls it (float32 ignores it)

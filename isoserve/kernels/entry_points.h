@@ -30,7 +30,7 @@ std::string int8_status();
 std::string int8_isa();
 // side: another kernel's input, requested into cache while the tiles run (line_prefetch.h)
 torch::Tensor q4_1_linear_i8(const torch::Tensor& x, const torch::Tensor& codes, const torch::Tensor& d,
-                             const torch::Tensor& m, const isoserve::LineSlice* side = nullptr);
+                             const torch::Tensor& m, const isoserve::LineSlice<>* side = nullptr);
 torch::Tensor q4_1_swiglu_i8(const torch::Tensor& x, const torch::Tensor& codes, const torch::Tensor& d,
                              const torch::Tensor& m);
 torch::Tensor q8_0_linear_i8(const torch::Tensor& x, const torch::Tensor& codes, const torch::Tensor& d);

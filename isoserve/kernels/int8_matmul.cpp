@@ -325,51 +325,6 @@ struct Q8_0x16 {
 inline __m512i count_codes(__m512i codes, __m512i w) { return _mm512_dpbusd_epi32(codes, _mm512_set1_epi8(1), w); }
 inline __m512i take_back_offset(__m512i codes) { return _mm512_sub_epi32(_mm512_setzero_si512(), _mm512_slli_epi32(codes, 7)); }
 
-// The next pair of panels' codes and scales, requested into L2 a few cache lines at a time
-// while this pair's tiles run: each call of advance() (one per block of each tile) issues its
-// share of them, so that they arrive spread over the pair's arithmetic.
-//
-// Why: a step of several tiles reads a pair's weights in one short burst (Gathered::gather)
-// and then only computes. The hardware prefetchers then stop at the burst's end, and the next
-// pair's burst waits on memory: the gate-up's 1.4 MB took its whole transfer time on top of
-// the tiles' arithmetic (docs/benchmarks.md, session 32). Issued all at once as a pair
-// starts, software prefetches did not help; spread this way a batch-32 decode step of the
-// default model took 26.3 ms against 28.5 on a 2-core Zen 4 (docs/benchmarks.md, session
-// 33). A step of one tile (up to 8 rows) reads its weights as it goes, and was slower with
-// them (batch 1: 4.5 ms against 4.3), so it does not prefetch.
-class NextPairPrefetch {
- public:
-  // A pair whose lines are to be spread over `advances` calls of advance().
-  void start(int64_t advances) {
-    ranges_ = range_ = 0;
-    lines_ = issued_ = calls_ = 0;
-    advances_ = std::max<int64_t>(1, advances);
-  }
-  // The cache lines of [p, p + bytes): one of the pair's codes, d and m.
-  void add(const void* p, int64_t bytes) {
-    if (bytes <= 0 || ranges_ == kRanges) return;
-    const uintptr_t begin = reinterpret_cast<uintptr_t>(p), first = begin & ~uintptr_t{63};
-    lines_ += static_cast<int64_t>((begin + bytes - first + 63) / 64);
-    range_first_[ranges_] = first;
-    range_end_[ranges_++] = lines_;
-  }
-  inline void advance() {
-    const int64_t due = std::min(lines_, ++calls_ * lines_ / advances_);
-    for (; issued_ < due; ++issued_) {
-      while (issued_ >= range_end_[range_]) ++range_;
-      const int64_t before = range_ ? range_end_[range_ - 1] : 0;
-      _mm_prefetch(reinterpret_cast<const char*>(range_first_[range_] + 64 * (issued_ - before)), _MM_HINT_T1);
-    }
-  }
-
- private:
-  static constexpr int kRanges = 3;  // codes, d, m
-  uintptr_t range_first_[kRanges];   // each range's first line
-  int64_t range_end_[kRanges];       // lines up to the end of each range, counted from the first
-  int ranges_ = 0, range_ = 0;
-  int64_t lines_ = 0, issued_ = 0, calls_ = 0, advances_ = 1;
-};
-
 // Where a tile's pairs of panels come from: a step of one tile reads each group where it lies
 // (InPlace), and counts a Q8_0 block's codes as they go by; one of several tiles gathers the
 // pair once into a buffer that every tile reads (Gathered: 8 vectors a block, then each Q8_0
@@ -383,14 +338,19 @@ struct InPlace {
   inline void advance() const {}
 };
 
+// Each block of each tile of a gathered pair advances the thread's two streams of requested
+// lines (line_prefetch.h): the next pair of panels' (a plan of its codes, d and m), and the
+// caller's side lines.
+using PairLines = isoserve::BasicLinePlan<3>;
+
 template <typename F>
 struct Gathered {
   static constexpr bool kKeepsOffsets = true;
   const __m512i* buffer;
   int64_t blocks;
-  NextPairPrefetch* prefetch;
-  isoserve::LineStream* side;  // another kernel's next input (line_prefetch.h)
-  inline void advance() const { prefetch->advance(); side->advance(); }
+  isoserve::LineStream<PairLines>* next_pair;
+  isoserve::LineStream<>* side;  // another kernel's next input
+  inline void advance() const { next_pair->advance(); side->advance(); }
   inline __m512i group(int64_t b, int g) const { return buffer[b * 8 + g]; }
   inline __m512i offset(int64_t b) const { return buffer[blocks * 8 + b]; }
   static void gather(__m512i* buffer, const InPlace<F>& source, int64_t blocks) {
@@ -461,21 +421,34 @@ inline void tile_512_of(int rows, const int32_t* words, const float* scale, cons
 }
 
 // Panels p and p + 1 for every tile of the step; with several tiles, the `next` panels from
-// p + 2 (0 to 2 of them: those this thread takes next) prefetched meanwhile.
+// p + 2 (0 to 2 of them: those this thread takes next) requested meanwhile, their codes, d and
+// m spread over the pair's blocks of tiles.
+//
+// Why: a step of several tiles reads a pair's weights in one short burst (Gathered::gather)
+// and then only computes. The hardware prefetchers then stop at the burst's end, and the next
+// pair's burst waits on memory: the gate-up's 1.4 MB took its whole transfer time on top of
+// the tiles' arithmetic (docs/benchmarks.md, session 32). Issued all at once as a pair
+// starts, software prefetches did not help; spread this way a batch-32 decode step of the
+// default model took 26.3 ms against 28.5 on a 2-core Zen 4 (docs/benchmarks.md, session
+// 33). A step of one tile (up to 8 rows) reads its weights as it goes, and was slower with
+// them (batch 1: 4.5 ms against 4.3), so it does not prefetch.
 template <typename F, bool Swiglu>
 inline void panel_pair_512(int64_t p, const QuantizedRows& q, const Tiles& tiles, int64_t K, const uint8_t* cp,
                            const float* dp, const float* mp, float* yp, int64_t N, __m512i* buffer, int64_t next,
-                           NextPairPrefetch* prefetch, isoserve::LineStream* side) {
+                           PairLines* next_lines, isoserve::LineStream<PairLines>* next_pair,
+                           isoserve::LineStream<>* side) {
   const int64_t blocks = K / 32, panel_stride = blocks * kPanel, panel_bytes = blocks * F::Format::kBlockBytes;
   const InPlace<F> in_place{cp + p * panel_bytes};
   if (tiles.count > 1) {
     Gathered<F>::gather(buffer, in_place, blocks);
-    prefetch->start(tiles.count * blocks);
-    prefetch->add(cp + (p + 2) * panel_bytes, next * panel_bytes);
-    prefetch->add(dp + (p + 2) * panel_stride, next * panel_stride * static_cast<int64_t>(sizeof(float)));
-    if (mp) prefetch->add(mp + (p + 2) * panel_stride, next * panel_stride * static_cast<int64_t>(sizeof(float)));
+    const int64_t scale_bytes = next * panel_stride * static_cast<int64_t>(sizeof(float));
+    next_lines->clear();
+    next_lines->add(cp + (p + 2) * panel_bytes, next * panel_bytes);
+    next_lines->add(dp + (p + 2) * panel_stride, scale_bytes);
+    if (mp) next_lines->add(mp + (p + 2) * panel_stride, scale_bytes);
+    next_pair->start(isoserve::LineSlice<PairLines>::all(*next_lines), tiles.count * blocks);
   }
-  const Gathered<F> gathered{buffer, blocks, prefetch, side};
+  const Gathered<F> gathered{buffer, blocks, next_pair, side};
   for (int64_t t = 0; t < tiles.count; ++t) {
     const int64_t r0 = tiles.first_row(t);
     const int rows = static_cast<int>(tiles.first_row(t + 1) - r0);
@@ -498,7 +471,7 @@ template <> struct Zmm<Q8_0> { using type = Q8_0x16; };
 // rows quantized again for those (unflipped, in tiles of 4).
 template <typename Format, bool Swiglu>
 void all_panels(const torch::Tensor& x, int64_t K, const uint8_t* cp, const float* dp, const float* mp, float* yp,
-                int64_t panels, int64_t N, const isoserve::LineSlice* side) {
+                int64_t panels, int64_t N, const isoserve::LineSlice<>* side) {
   using F = typename Zmm<Format>::type;
   const int64_t rows = x.size(0), blocks = K / 32;
   const Tiles tiles{rows, (rows + kZmmTile - 1) / kZmmTile};
@@ -507,17 +480,19 @@ void all_panels(const torch::Tensor& x, int64_t K, const uint8_t* cp, const floa
   const QuantizedRows last = panels % 2 ? quantize_rows(x.data_ptr<float>(), rows, K, narrow, 0) : QuantizedRows{};
   at::parallel_for(0, (panels + 1) / 2, 1, [&](int64_t begin, int64_t end) {
     std::unique_ptr<__m512i[]> buffer(tiles.count > 1 ? new __m512i[blocks * 9] : nullptr);
-    NextPairPrefetch prefetch;  // used only where the step has several tiles
-    // This thread's share of `side`, as its share of the pairs, spread over its tiles' blocks
-    // (a step of one tile reads its weights as it goes, and requests nothing).
-    isoserve::LineStream side_lines;
+    // Used only where the step has several tiles (a step of one tile reads its weights as it
+    // goes, and requests nothing); `side`: this thread's share, as its share of the pairs,
+    // spread over its tiles' blocks.
+    PairLines next_lines;
+    isoserve::LineStream<PairLines> next_pair;
+    isoserve::LineStream<> side_lines;
     if (side && tiles.count > 1)
       side_lines.start(side->share(begin, end, (panels + 1) / 2), (end - begin) * tiles.count * blocks);
     for (int64_t pair = begin; pair < end; ++pair) {
       if (2 * pair + 1 < panels) {
         const int64_t next = pair + 1 < end ? std::min<int64_t>(2, panels - 2 * pair - 2) : 0;
-        panel_pair_512<F, Swiglu>(2 * pair, q, tiles, K, cp, dp, mp, yp, N, buffer.get(), next, &prefetch,
-                                  &side_lines);
+        panel_pair_512<F, Swiglu>(2 * pair, q, tiles, K, cp, dp, mp, yp, N, buffer.get(), next, &next_lines,
+                                  &next_pair, &side_lines);
       } else if constexpr (!Swiglu) {
         std::unique_ptr<__m256i[]> wide(new __m256i[blocks * 8 * Format::kVectors]);
         panels_for_all_tiles<Format, 1, false>(2 * pair, last, narrow, K, cp, dp, mp, yp, N, wide.get());
@@ -530,7 +505,7 @@ void all_panels(const torch::Tensor& x, int64_t K, const uint8_t* cp, const floa
 // prefetching slowed these tiles (session 33), and requesting KV from them is unmeasured.
 template <typename Format, bool Swiglu>
 void all_panels(const torch::Tensor& x, int64_t K, const uint8_t* cp, const float* dp, const float* mp, float* yp,
-                int64_t panels, int64_t N, const isoserve::LineSlice*) {
+                int64_t panels, int64_t N, const isoserve::LineSlice<>*) {
   const int64_t rows = x.size(0), blocks = K / 32;
   const Tiles tiles{rows, (rows + kTile - 1) / kTile};
   const QuantizedRows q = quantize_rows(x.data_ptr<float>(), rows, K, tiles, 0);
@@ -549,7 +524,7 @@ void all_panels(const torch::Tensor& x, int64_t K, const uint8_t* cp, const floa
 
 template <typename Format, bool Swiglu = false>
 torch::Tensor int8_linear(const char* name, const torch::Tensor& x, const torch::Tensor& codes,
-                          const torch::Tensor& d, const torch::Tensor* m, const isoserve::LineSlice* side = nullptr) {
+                          const torch::Tensor& d, const torch::Tensor* m, const isoserve::LineSlice<>* side = nullptr) {
   isoserve::check_block_linear(name, x, codes, d, m, [](int64_t K) { return K / 32 * Format::kBlockBytes; });
   const int64_t rows = x.size(0), K = x.size(1), panels = d.size(0);
   TORCH_CHECK(!Swiglu || panels % 2 == 0, name, " takes pairs of gate and up panels, not ", panels, " panels");
@@ -582,7 +557,7 @@ std::string int8_isa() {
 
 #if defined(__AVX2__) && defined(__FMA__)
 torch::Tensor q4_1_linear_i8(const torch::Tensor& x, const torch::Tensor& codes, const torch::Tensor& d,
-                             const torch::Tensor& m, const isoserve::LineSlice* side) {
+                             const torch::Tensor& m, const isoserve::LineSlice<>* side) {
   return int8_linear<Q4_1>("q4_1_linear_i8", x, codes, d, &m, side);
 }
 
@@ -596,7 +571,7 @@ torch::Tensor q8_0_linear_i8(const torch::Tensor& x, const torch::Tensor& codes,
 }
 #else
 torch::Tensor q4_1_linear_i8(const torch::Tensor&, const torch::Tensor&, const torch::Tensor&, const torch::Tensor&,
-                             const isoserve::LineSlice*) {
+                             const isoserve::LineSlice<>*) {
   TORCH_CHECK(false, "q4_1_linear_i8 needs a build for a CPU with AVX2 and FMA");
 }
 
