@@ -106,6 +106,92 @@ def test_activations_are_quantized_by_blocks_of_32_to_their_largest_magnitude():
     assert (q[0, 1] == 0).all()
 
 
+TILE_ROWS = 8 if HAS_AVX512_VNNI else 4  # the most rows of a tile: AVX-512's, or AVX2's
+
+
+def _blocks_of_many_magnitudes(rows: int, k: int, seed: int) -> torch.Tensor:
+    """x [rows, k]: each block of 32 at its own magnitude (1e-30 to 1e36), some blocks all zeros,
+    some inputs -0.0, and a first block whose inputs fall exactly half a step apart (half to even)."""
+    g = torch.Generator().manual_seed(seed)
+    x = torch.randn(rows, k // 32, 32, generator=g)
+    x = x * 10.0 ** torch.randint(-30, 37, (rows, k // 32, 1), generator=g).float()
+    x[torch.rand(rows, k // 32, generator=g) < 0.1] = 0.0
+    x[torch.rand(rows, k // 32, 32, generator=g) < 0.02] = -0.0
+    x[:, 0, :] = torch.tensor([1.0] + [0.5 / 127 * (2 * i + 1) for i in range(31)])  # q = i + 0.5
+    return x.reshape(rows, k)
+
+
+def _quantize_like_the_kernels(x: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
+    """quantize_activations, plus the kernels' NaN rule and each block's sum a * sum(q). The rule:
+    a block's scale is NaN where the float32 sum of its inputs is, summed in the kernels' order:
+    (v0 + v1) + (v2 + v3) for its four vectors of 8, then lanes j + (j + 4), then 0 + 2 and
+    1 + 3, then those two. For huge finite inputs that order decides whether the sum overflows
+    to both infinities (NaN) or cancels."""
+    q, scale = quantize_activations(x)
+    v = x.float().reshape(x.shape[0], -1, 4, 8)
+    lanes = (v[..., 0, :] + v[..., 1, :]) + (v[..., 2, :] + v[..., 3, :])
+    half = lanes[..., :4] + lanes[..., 4:]
+    pair = half[..., :2] + half[..., 2:]
+    total = pair[..., 0] + pair[..., 1]
+    scale = torch.where(total.isnan(), total, scale)
+    return q, scale, scale * q.sum(-1)
+
+
+@needs_avx2
+@pytest.mark.parametrize("flipped", [False, True])
+@pytest.mark.parametrize("rows", [1, 3, 8, 13, 32])
+@pytest.mark.parametrize("k", [32, 544, 1536])
+def test_activations_are_quantized_to_the_bit_of_the_arithmetic(rows, k, flipped):
+    # In every tile size, each row's blocks on their own: codes, scale and sum exactly as
+    # quantize_activations computes them in float32 (a rewrite of the kernels' quantizing, such
+    # as session 35's AVX-512 one in docs/benchmarks.md, must keep these bits).
+    x = _blocks_of_many_magnitudes(rows, k, seed=rows * k)
+    q, scale, total = _quantize_like_the_kernels(x)
+    for tile_rows in range(1, TILE_ROWS + 1):
+        codes, got_scale, got_sum = cpu_ops().quantize_rows_i8(x, tile_rows, flipped)
+        assert torch.equal(codes, q.reshape(rows, k).to(torch.int8))
+        assert torch.equal(got_scale, scale) and torch.equal(got_sum, total)
+
+
+@needs_avx2
+@pytest.mark.parametrize("flipped", [False, True])
+def test_a_blocks_scale_is_nan_exactly_where_its_sum_is(flipped):
+    # A NaN input, +inf with -inf, or huge finite inputs whose sum overflows to both infinities in
+    # the kernels' order make the block's scale NaN (and its row's outputs NaN); huge inputs that
+    # cancel in that order, or overflow to one infinity, quantize as any others. Other blocks
+    # keep their bits.
+    huge = 3e38
+    x = _blocks_of_many_magnitudes(8, 8 * 32, seed=11)
+    x[1, 32 + 5] = float("nan")
+    x[2, 64 + 3], x[2, 64 + 30] = float("inf"), float("-inf")
+    x[3, 96:128] = torch.tensor([huge] * 16 + [-huge] * 16)      # (v0 + v1) + (v2 + v3) = inf + -inf
+    x[4, 128:160] = torch.tensor(([huge] * 8 + [-huge] * 8) * 2)  # v0 + v1 = 0: a sum of 0
+    x[5, 160:192] = torch.tensor([2.0**121, -(2.0**121)] * 16)    # large, summing to 0
+    x[6, 192:224] = torch.tensor([2.0**121] * 32)                 # a finite sum of 2^126
+    x[7, 224:256] = torch.tensor([huge] * 8 + [-huge] * 24)       # 0 + -inf: one infinity, not NaN
+    q, scale, total = _quantize_like_the_kernels(x)
+    assert all(scale[r, r].isnan() for r in (1, 2, 3))
+    assert not any(scale[r, r].isnan() for r in (4, 5, 6, 7))
+    for tile_rows in range(1, TILE_ROWS + 1):
+        codes, got_scale, got_sum = cpu_ops().quantize_rows_i8(x, tile_rows, flipped)
+        assert torch.equal(got_scale.isnan(), scale.isnan()) and torch.equal(got_sum.isnan(), total.isnan())
+        finite = ~scale.isnan() & ~scale.isinf()
+        assert torch.equal(got_scale[finite], scale[finite]) and torch.equal(got_sum[finite], total[finite])
+        blocks = finite.repeat_interleave(32, dim=1)
+        assert torch.equal(codes[blocks], q.reshape(8, -1)[blocks].to(torch.int8))
+
+
+@needs_avx2
+def test_quantize_rows_i8_refuses_what_it_cannot_take():
+    ops = cpu_ops()
+    with pytest.raises(RuntimeError, match="multiple of 32"):
+        ops.quantize_rows_i8(torch.randn(2, 48), 4, False)
+    with pytest.raises(RuntimeError, match="tiles of 1 to"):
+        ops.quantize_rows_i8(torch.randn(2, 64), TILE_ROWS + 1, False)
+    codes, scale, total = ops.quantize_rows_i8(torch.randn(0, 64), 4, False)
+    assert codes.shape == (0, 64) and scale.shape == total.shape == (0, 2)
+
+
 def test_weights_whose_outputs_do_not_fill_panels_keep_the_dense_path():
     packed = int4._pack(torch.zeros(12, 64, dtype=torch.uint8))
     d = torch.ones(12, 2, dtype=torch.float16)

@@ -1052,6 +1052,11 @@ PYBIND11_MODULE(TORCH_EXTENSION_NAME, m) {
   m.def("q8_0_linear_i8", &q8_0_linear_i8,
         "x W^T for Q8_0 blocks with x quantized to int8 by blocks of 32 (model/int8_blocks.py), AVX2 or AVX512-VNNI",
         py::arg("x"), py::arg("codes"), py::arg("d"));
+  m.def("quantize_rows_i8", &quantize_rows_i8,
+        "the int8 activations those kernels multiply by: x quantized by blocks of 32 in tiles of tile_rows "
+        "(flipped: as Q8_0's AVX-512 tiles take them, codes + 128), returned as codes [rows, K] int8, scale and "
+        "sum [rows, K / 32]",
+        py::arg("x"), py::arg("tile_rows"), py::arg("flipped"));
   m.def("prefill_attention", &prefill_attention,
         "causal attention of a step's prefill chunks over their pages into out's rows, on AMX",
         py::arg("q"), py::arg("k_cache"), py::arg("v_cache"), py::arg("chunks"), py::arg("pages"),

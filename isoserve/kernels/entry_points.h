@@ -6,6 +6,7 @@
 
 #include <cstdint>
 #include <string>
+#include <tuple>
 
 #include "line_prefetch.h"
 
@@ -34,6 +35,10 @@ torch::Tensor q4_1_linear_i8(const torch::Tensor& x, const torch::Tensor& codes,
 torch::Tensor q4_1_swiglu_i8(const torch::Tensor& x, const torch::Tensor& codes, const torch::Tensor& d,
                              const torch::Tensor& m);
 torch::Tensor q8_0_linear_i8(const torch::Tensor& x, const torch::Tensor& codes, const torch::Tensor& d);
+// The int8 activations those kernels multiply by, quantized in tiles of tile_rows (for tests): codes
+// [rows, K] int8, scale and sum [rows, K / 32]
+std::tuple<torch::Tensor, torch::Tensor, torch::Tensor> quantize_rows_i8(const torch::Tensor& x, int64_t tile_rows,
+                                                                         bool flipped);
 // amx_attention.cpp
 void prefill_attention(const torch::Tensor& q, const torch::Tensor& k_cache, const torch::Tensor& v_cache,
                        const torch::Tensor& chunks, const torch::Tensor& pages, torch::Tensor& out,

@@ -556,6 +556,41 @@ std::string int8_isa() {
 }
 
 #if defined(__AVX2__) && defined(__FMA__)
+std::tuple<torch::Tensor, torch::Tensor, torch::Tensor> quantize_rows_i8(const torch::Tensor& x, int64_t tile_rows,
+                                                                         bool flipped) {
+  TORCH_CHECK(x.device().is_cpu() && x.scalar_type() == at::kFloat && x.is_contiguous() && x.dim() == 2 &&
+                  x.size(1) % 32 == 0,
+              "quantize_rows_i8 takes x as a contiguous float32 CPU tensor [rows, K], K a multiple of 32");
+#ifdef ISOSERVE_INT8_ZMM
+  constexpr int64_t kMostTileRows = kZmmTile;
+#else
+  constexpr int64_t kMostTileRows = kTile;
+#endif
+  TORCH_CHECK(tile_rows >= 1 && tile_rows <= kMostTileRows, "quantize_rows_i8: tiles of 1 to ", kMostTileRows,
+              " rows here, not ", tile_rows);
+  const int64_t rows = x.size(0), K = x.size(1), blocks = K / 32;
+  auto codes = torch::empty({rows, K}, torch::kChar);
+  auto scale = torch::empty({rows, blocks}, torch::kFloat), sum = torch::empty({rows, blocks}, torch::kFloat);
+  if (rows == 0) return {codes, scale, sum};
+  const Tiles tiles{rows, (rows + tile_rows - 1) / tile_rows};
+  const int32_t flip = flipped ? static_cast<int32_t>(0x80808080u) : 0;
+  const QuantizedRows q = quantize_rows(x.data_ptr<float>(), rows, K, tiles, flip);
+  // Back from the tiles' layout: word (8 b + k) * R + r of a tile holds row r's codes 32 b + 4 k .. + 3.
+  int8_t* out = codes.data_ptr<int8_t>();
+  for (int64_t t = 0; t < tiles.count; ++t) {
+    const int64_t r0 = tiles.first_row(t), R = tiles.first_row(t + 1) - r0;
+    const int32_t* tile = q.words.get() + r0 * K / 4;
+    for (int64_t r = 0; r < R; ++r)
+      for (int64_t w = 0; w < K / 4; ++w) {
+        const uint32_t word = static_cast<uint32_t>(tile[w * R + r] ^ flip);
+        for (int j = 0; j < 4; ++j) out[(r0 + r) * K + 4 * w + j] = static_cast<int8_t>(word >> (8 * j) & 0xff);
+      }
+  }
+  std::copy(q.scale.get(), q.scale.get() + rows * blocks, scale.data_ptr<float>());
+  std::copy(q.sum.get(), q.sum.get() + rows * blocks, sum.data_ptr<float>());
+  return {codes, scale, sum};
+}
+
 torch::Tensor q4_1_linear_i8(const torch::Tensor& x, const torch::Tensor& codes, const torch::Tensor& d,
                              const torch::Tensor& m, const isoserve::LineSlice<>* side) {
   return int8_linear<Q4_1>("q4_1_linear_i8", x, codes, d, &m, side);
@@ -570,6 +605,10 @@ torch::Tensor q8_0_linear_i8(const torch::Tensor& x, const torch::Tensor& codes,
   return int8_linear<Q8_0>("q8_0_linear_i8", x, codes, d, nullptr);
 }
 #else
+std::tuple<torch::Tensor, torch::Tensor, torch::Tensor> quantize_rows_i8(const torch::Tensor&, int64_t, bool) {
+  TORCH_CHECK(false, "quantize_rows_i8 needs a build for a CPU with AVX2 and FMA");
+}
+
 torch::Tensor q4_1_linear_i8(const torch::Tensor&, const torch::Tensor&, const torch::Tensor&, const torch::Tensor&,
                              const isoserve::LineSlice<>*) {
   TORCH_CHECK(false, "q4_1_linear_i8 needs a build for a CPU with AVX2 and FMA");
