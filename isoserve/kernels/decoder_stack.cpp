@@ -89,10 +89,11 @@ class DecoderStack {
               const torch::Tensor& slots, const torch::Tensor& pages, const torch::Tensor& lens, double scale) {
     // The keys each layer's attention reads, as offsets into a layer's K cache: the same in every
     // layer. The next layer's are requested while this layer's down projection computes
-    // (line_prefetch.h), where they are few enough for it (kKeyPrefetchBytesPerRow).
+    // (line_prefetch.h), where they are few enough for it (kKeyPrefetchBytesPerRow); only then
+    // is the plan built.
+    const bool keys_ahead = key_bytes_read(lens) <= kKeyPrefetchBytesPerRow * x.size(0);
     isoserve::LinePlan keys;
-    plan_key_reads(pages, lens, keys);
-    const bool keys_ahead = keys.lines_total() * 64 <= kKeyPrefetchBytesPerRow * x.size(0);
+    if (keys_ahead) plan_key_reads(pages, lens, keys);
     for (size_t i = 0; i < layers_.size(); ++i) {
       Layer& layer = layers_[i];
       isoserve::LineSlice<> next_keys;
@@ -121,6 +122,18 @@ class DecoderStack {
   // 3 MB, made the step 2-3% slower, the first 1.5 MB changed nothing: the down projection's
   // share of the memory bandwidth and the L2s were full, so past this the stack requests none.
   static constexpr int64_t kKeyPrefetchBytesPerRow = int64_t{192} << 10;
+
+  // The bytes of keys a layer's attention reads this step: each sequence's [0, lens[b]) in each
+  // KV head (what plan_key_reads plans, before it joins them into lines).
+  int64_t key_bytes_read(const torch::Tensor& lens) const {
+    TORCH_CHECK(lens.scalar_type() == at::kLong && lens.is_contiguous() && lens.dim() == 1,
+                "DecoderStack: lens must be contiguous int64 [batch]");
+    const torch::Tensor& cache = layers_[0].k_cache;
+    const int64_t* len = lens.data_ptr<int64_t>();
+    int64_t keys = 0;
+    for (int64_t b = 0; b < lens.numel(); ++b) keys += std::max<int64_t>(0, len[b]);
+    return keys * cache.size(0) * cache.size(3) * cache.element_size();
+  }
 
   // The byte ranges of a layer's K cache that decode attention reads for this step: each
   // sequence's keys [0, lens[b]) in each KV head, in the kernel's task order, page by page

@@ -36,7 +36,6 @@ class InlineValues {
   size_t size() const { return size_; }
   void clear() { size_ = 0; }
   void push_back(int64_t v) { if (size_ < N) values_[size_++] = v; }
-  int64_t& back() { return values_[size_ - 1]; }
   const int64_t& back() const { return values_[size_ - 1]; }
   int64_t& operator[](size_t i) { return values_[i]; }
   const int64_t& operator[](size_t i) const { return values_[i]; }
