@@ -13,7 +13,7 @@ Parts (each result is a ratio against its peer measured in the same run):
               (with isoserve's offline batch 32), then a fresh disaggregated server at 32
               concurrent, so each round's ratio compares moments minutes apart at most
     guards    guards on vs all off, transfer checksums off, --scrub-freed-pages; concurrency 32
-    sampling  the same load greedy vs sampled (temperature 1; temperature 1 with top_p 0.9),
+    sampling  the same load greedy vs sampled (temperature 1; temperature 1 with top_p 0.9 and 0.95),
               concurrency 32, fresh servers in rotated order
     transfer  KV transfer MB/s from the disaggregated server's /metrics vs raw pyzmq, same shapes
     llamacpp  llama.cpp's llama-server (-np 32 -cb, same GGUF) vs `isoserve serve` disaggregated,
@@ -377,6 +377,7 @@ SAMPLING_CONFIGS = {  # label: extra `isoserve bench` flags (seeded by its --see
     "greedy": [],
     "temperature 1": ["--temperature", "1"],
     "temperature 1, top_p 0.9": ["--temperature", "1", "--top-p", "0.9"],
+    "temperature 1, top_p 0.95": ["--temperature", "1", "--top-p", "0.95"],
 }
 
 

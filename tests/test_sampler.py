@@ -12,7 +12,9 @@ import torch
 from hypothesis import given, settings, strategies as st
 
 from isoserve.engine import sampler
-from isoserve.engine.sampler import BLOCK, NUCLEUS_CANDIDATES, TOP_K_WIDTHS, sample
+from isoserve.engine.nucleus import nucleus_weights
+from isoserve.engine.sampler import BLOCK, TOP_K_WIDTHS, sample
+from isoserve.kernels import cpu_ops
 from isoserve.engine.sampling_params import SamplingParams
 from isoserve.engine.sequence import Sequence
 
@@ -118,21 +120,38 @@ def _nucleus_logits(vocab: int, size: int) -> torch.Tensor:
     return logits[torch.randperm(vocab, generator=torch.Generator().manual_seed(size))][None].float()
 
 
-@pytest.mark.parametrize("size", [40, 1000, 6000])  # the prefix within each candidate width, then the full sort
-def test_top_p_draws_from_the_smallest_prefix_at_every_search_width(size):
-    assert NUCLEUS_CANDIDATES[0] < 0.8 * 1000 and 1000 < NUCLEUS_CANDIDATES[1] < 0.8 * 6000
+@pytest.mark.parametrize("size", [40, 1000, 6000])
+@pytest.mark.parametrize("nucleus", ["reference", "kernel"])
+def test_top_p_draws_from_the_smallest_prefix(size, nucleus):
+    """Nuclei of a few to thousands of tokens, by the torch reference and by the CPU kernel
+    (tests/test_nucleus.py checks the nuclei themselves)."""
+    find = nucleus_weights if nucleus == "reference" else cpu_ops().nucleus_rows
     logits = _nucleus_logits(8192, size)
     expected = _expected(logits[0], 1.0, top_p=0.9)
     assert 0.8 * size < int((expected > 0).sum()) < size
     # The prefix ends clear of top_p (float32 and float64 running sums agree on where).
     values = torch.softmax(logits[0].double(), -1).sort(descending=True).values.cumsum(-1)
     assert float((values - 0.9).abs().min()) > 1e-5
-    counts = _draw_counts(logits, draws=2000 if size > 1000 else DRAWS, temperature=1.0, top_p=0.9)
+    draws = 2000 if size > 1000 else DRAWS
+    torch.manual_seed(0)
+    tokens, _ = sample(logits.expand(draws, -1).contiguous(), _seqs(draws, temperature=1.0, top_p=0.9), _argmax, find)
+    counts = torch.bincount(torch.tensor(tokens), minlength=logits.shape[-1])
     assert not bool(((counts > 0) & (expected == 0)).any())
     if size == 40:
         _assert_follows(counts, expected)
     else:  # too many tokens to count each: the drawn ones spread over the nucleus
         assert int((counts > 0).sum()) > 0.5 * min(int((expected > 0).sum()), int(counts.sum()))
+
+
+def test_the_kernel_and_the_reference_draw_the_same_tokens():
+    logits = torch.cat([_nucleus_logits(8192, 6000), _nucleus_logits(8192, 40), _nucleus_logits(8192, 1000)])
+    seqs = [Sequence(f"r{i}", i, [1], SamplingParams(temperature=t, top_p=p, seed=i), 0)
+            for i, (t, p) in enumerate([(1.0, 0.9), (0.7, 0.5), (1.3, 0.95)])]
+    for _ in range(20):
+        by_reference = sample(logits, seqs, _argmax, nucleus_weights)[0]
+        assert sample(logits, seqs, _argmax, cpu_ops().nucleus_rows)[0] == by_reference
+        for seq in seqs:
+            seq.output_token_ids.append(0)  # the next token's seed
 
 
 def test_rows_of_different_parameters_and_widths_in_one_batch():

@@ -48,7 +48,8 @@ class ModelRunner:
         samplers = inputs["samplers"]
         for c in chunks:
             c.seq.num_computed += c.num_tokens
-        tokens, logprobs = sample(logits, samplers, self.model.ops.argmax) if samplers else ([], [])
+        ops = self.model.ops
+        tokens, logprobs = sample(logits, samplers, ops.argmax, ops.nucleus) if samplers else ([], [])
         return StepResult(list(zip(samplers, tokens, logprobs)), violations)
 
     def guard(self, chunks: list[ScheduledChunk]) -> list[tuple[Sequence, Violation]]:

@@ -8,7 +8,8 @@ and takes the token where u * (its distribution's mass) falls in the running sum
 probabilities: inverse-CDF sampling, which is what torch.multinomial does for one sample, but
 for every row at once. One multinomial call per row took ~0.87 ms on a 49,152-token vocabulary
 (and a top-p sort of the whole vocabulary 2.1 ms more), 28 ms of a 46 ms batch-32 decode step
-at temperature 1; the batched draw takes ~2 ms for the 32 rows (docs/benchmarks.md).
+at temperature 1; the batched draw takes ~2 ms for the 32 rows (docs/benchmarks.md). Top-p
+finds each row's nucleus without sorting its vocabulary (engine/nucleus.py).
 """
 from __future__ import annotations
 
@@ -17,20 +18,21 @@ from typing import Callable
 import torch
 import torch.nn.functional as F
 
+from isoserve.engine.nucleus import nucleus_weights
 from isoserve.engine.sequence import Sequence, TokenLogprob
 
 # The running sum is taken in two levels, block sums then the sums inside the chosen block, both
 # in float64: a float32 running sum over a whole vocabulary drifts by ~1e-5 (and up to 3e-3),
 # enough to misweight every token whose probability is that small.
 BLOCK = 256
-# Top-p looks for its nucleus among each row's 256 most likely tokens, then 4,096, then all.
-# The SmolLM2 default model at temperature 1, top_p 0.9 / 0.95: nuclei of median 15 / 48 tokens
-# and p90 233 / 864 on chat prompts, median 1,551 / 3,175 on prompts of random words.
-NUCLEUS_CANDIDATES = (256, 4096)
 # A row with a top-k below one of these is drawn from that many most likely tokens (its k and
 # their ties) without a softmax over the whole vocabulary: a row's width follows from its own k,
 # so its draw never depends on the rows beside it.
 TOP_K_WIDTHS = (64, 256)
+
+# probs [R, V] float32 on the CPU, top_p [R] float32 -> the probabilities inside each nucleus
+# (engine/nucleus.py's reference, or the CPU kernel that gives its bits).
+Nucleus = Callable[[torch.Tensor, torch.Tensor], torch.Tensor]
 
 
 def _row_generator(seq: Sequence) -> torch.Generator | None:
@@ -145,34 +147,7 @@ def _draw_prefix(values: torch.Tensor, ids: torch.Tensor, top_p: torch.Tensor, u
     return ids.gather(1, _inverse_cdf(values.masked_fill_(drop, 0), u)[:, None])[:, 0]
 
 
-def _draw_nucleus(probs: torch.Tensor, top_p: torch.Tensor, u: torch.Tensor) -> torch.Tensor:
-    """[R] tokens under top-p. Each row's prefix is looked for among its most likely tokens, as
-    many as NUCLEUS_CANDIDATES says in turn, and only a row whose candidates hold less than its
-    top_p at every width sorts its whole vocabulary (~2 ms a row for 49,152 tokens)."""
-    vocab = probs.shape[-1]
-    tokens = torch.empty(len(u), dtype=torch.long)
-    pending = torch.arange(len(u))
-    for width in NUCLEUS_CANDIDATES + (vocab,):
-        rows = _select(probs, pending)
-        if width < vocab:
-            values, ids = torch.topk(rows, width, dim=-1)
-            # The prefix runs past the candidates where their running sum (the one the prefix
-            # test below takes, in the same order as over a full sort) stays under top_p.
-            short = values.cumsum(-1)[:, -1] < top_p[pending]
-        else:
-            values, ids = rows.sort(dim=-1, descending=True)
-            short = torch.zeros(len(pending), dtype=torch.bool)
-        done = ~short
-        if done.any():
-            tokens[pending[done]] = _draw_prefix(_select(values, done), _select(ids, done),
-                                                 top_p[pending[done]], u[pending[done]])
-        pending = pending[short]
-        if not len(pending):
-            break
-    return tokens
-
-
-def _draw(logits: torch.Tensor, seqs: list[Sequence]) -> torch.Tensor:
+def _draw(logits: torch.Tensor, seqs: list[Sequence], nucleus: Nucleus) -> torch.Tensor:
     """[R] tokens sampled from the rows of logits [R, V], one per sequence."""
     u = _uniforms(seqs)
     tokens = torch.empty(len(seqs), dtype=torch.long)
@@ -185,37 +160,39 @@ def _draw(logits: torch.Tensor, seqs: list[Sequence]) -> torch.Tensor:
         rest += [r for r, ok in zip(rows, complete.tolist()) if not ok]
     if rest:
         rest.sort()
-        tokens[rest] = _draw_vocabulary(_select(logits, rest), [seqs[r] for r in rest], u[rest])
+        tokens[rest] = _draw_vocabulary(_select(logits, rest), [seqs[r] for r in rest], u[rest], nucleus)
     return tokens
 
 
-def _draw_vocabulary(logits: torch.Tensor, seqs: list[Sequence], u: torch.Tensor) -> torch.Tensor:
+def _draw_vocabulary(logits: torch.Tensor, seqs: list[Sequence], u: torch.Tensor,
+                     nucleus: Nucleus) -> torch.Tensor:
     """[R] tokens from rows of logits [R, V] over the whole vocabulary: temperature, top-k by
-    masking, one softmax, then the inverse CDF (top-p rows through the nucleus search)."""
+    masking, one softmax, then the inverse CDF (top-p rows over their nuclei only)."""
     probs = torch.softmax(_scaled_logits(logits, seqs), dim=-1)
     top_p = torch.tensor([s.params.top_p for s in seqs], dtype=torch.float32)
-    nucleus = top_p < 1.0
-    if not nucleus.any():
+    in_nucleus = top_p < 1.0
+    if not in_nucleus.any():
         return _inverse_cdf(probs, u)
     tokens = torch.empty(len(seqs), dtype=torch.long)
-    whole = ~nucleus
+    whole = ~in_nucleus
     if whole.any():
         tokens[whole] = _inverse_cdf(probs[whole], u[whole])
-    tokens[nucleus] = _draw_nucleus(_select(probs, nucleus), top_p[nucleus], u[nucleus])
+    tokens[in_nucleus] = _inverse_cdf(nucleus(_select(probs, in_nucleus), top_p[in_nucleus]), u[in_nucleus])
     return tokens
 
 
 def sample(logits: torch.Tensor, seqs: list[Sequence], argmax: Callable[[torch.Tensor], torch.Tensor],
-           ) -> tuple[list[int], list[TokenLogprob | None]]:
+           nucleus: Nucleus = nucleus_weights) -> tuple[list[int], list[TokenLogprob | None]]:
     """logits: [N, vocab] in the model's dtype, one row per sequence to sample. Greedy rows
-    take `argmax` (the model's ops pick it: a fused kernel on CPU); rows sampled or asking for
-    logprobs are converted to float32 first, as the distribution is computed in float32."""
+    take `argmax` and top-p rows their nuclei from `nucleus` (the model's ops pick both: fused
+    kernels on CPU); rows sampled or asking for logprobs are converted to float32 first, as the
+    distribution is computed in float32."""
     tokens = argmax(logits)
     sampled = [row for row, seq in enumerate(seqs) if not seq.params.greedy]
     if sampled:
         # On the CPU: a seeded torch.Generator lives there, and only these rows need it.
         tokens = tokens.cpu()
-        tokens[sampled] = _draw(_select(logits, sampled).cpu(), [seqs[r] for r in sampled])
+        tokens[sampled] = _draw(_select(logits, sampled).cpu(), [seqs[r] for r in sampled], nucleus)
     token_list = tokens.tolist()
     want = [s.params.logprobs is not None for s in seqs]
     logprobs: list[TokenLogprob | None] = [None] * len(seqs)

@@ -1023,6 +1023,8 @@ PYBIND11_MODULE(TORCH_EXTENSION_NAME, m) {
   m.attr("has_f32x8") = false;
 #endif
   m.def("argmax_rows", &argmax_rows, "each row's first index of its maximum, as torch.argmax");
+  m.def("nucleus_rows", &nucleus_rows, "each row's probabilities inside its top-p nucleus, 0 outside",
+        py::arg("probs"), py::arg("top_p"));
   m.def("check_reads", &check_reads, "the read guard: (sequence, page index) pairs that fail");
   m.def("amx_status", &amx_status, "'' when q4_1_linear can run on this machine, else why not");
   m.def("q4_1_linear", &q4_1_linear, "x W^T for Q4_1 weight blocks (model/amx.py), on AMX",

@@ -48,5 +48,7 @@ std::string f32_prefill_status();
 void prefill_attention_f32(const torch::Tensor& q, const torch::Tensor& k_cache, const torch::Tensor& v_cache,
                            const torch::Tensor& chunks, const torch::Tensor& pages, torch::Tensor& out,
                            double scale);
+// nucleus.cpp: each row's top-p nucleus (engine/nucleus.py)
+torch::Tensor nucleus_rows(const torch::Tensor& probs, const torch::Tensor& top_p);
 // decoder_stack.cpp: adds the DecoderStack class to the module
 void register_decoder_stack(pybind11::module& m);

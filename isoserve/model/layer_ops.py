@@ -8,6 +8,7 @@
   silu_mul        SwiGLU over the merged gate-up projection
   argmax          greedy tokens: each logits row's first maximal index (the sampler's, not a
                   layer's, but the same choice of implementation)
+  nucleus         top-p: each row's probabilities inside its nucleus (the sampler's too)
 
 `TorchOps` runs them as torch ops; it is the reference. `FusedOps` runs each as one call into
 the fused CPU kernels (kernels/cpu_ops.cpp), which round where the reference rounds. At batch 1
@@ -25,6 +26,7 @@ import logging
 import torch
 import torch.nn.functional as F
 
+from isoserve.engine.nucleus import nucleus_weights
 from isoserve.model.paged_attention import (StepAttention, decode_attention_torch, prefill_attention_torch,
                                              write_kv)
 from isoserve.model.rope import apply_rotary
@@ -81,6 +83,8 @@ class TorchOps:
     def argmax(logits: torch.Tensor) -> torch.Tensor:
         return logits.argmax(dim=-1)
 
+    nucleus = staticmethod(nucleus_weights)
+
 
 # Where the AVX-512 float32 prefill kernel does not apply (AVX2), prefill chunks of at most this
 # many keys go through the float32 decode kernel, one query row at a time
@@ -101,6 +105,7 @@ class FusedOps:
         self.silu_mul = kernels.silu_mul
         self.rotary_store = kernels.rotary_store
         self.argmax = kernels.argmax_rows
+        self.nucleus = kernels.nucleus_rows
 
     def decode_attention(self, q: torch.Tensor, k_cache: torch.Tensor, v_cache: torch.Tensor,
                          attn: StepAttention, scale: float) -> torch.Tensor:
