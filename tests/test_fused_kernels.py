@@ -36,6 +36,18 @@ def test_select_ops_uses_kernels_on_cpu_only():
     assert isinstance(ops, TorchOps) and "off" in note
 
 
+def test_torch_ops_sample_top_p_by_a_built_kernel_only(tmp_path, monkeypatch):
+    """A model the kernels do not serve (float16 here; CUDA likewise) still samples on the CPU:
+    its nuclei take the CPU kernel where it is built, never a build; turned off, the reference."""
+    from isoserve.engine.nucleus import nucleus_weights
+    ops, _ = select_ops(torch.device("cpu"), torch.float16)
+    assert ops.nucleus == cpu_ops().nucleus_rows
+    assert select_ops(torch.device("cpu"), torch.float32, fused=False)[0].nucleus is nucleus_weights
+    monkeypatch.setenv("ISOSERVE_KERNELS_DIR", str(tmp_path))  # nothing built there
+    assert select_ops(torch.device("cpu"), torch.float16)[0].nucleus is nucleus_weights
+    assert not any(tmp_path.iterdir())
+
+
 @pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])
 @pytest.mark.parametrize("rows", [1, 7, 33])
 def test_norms_match_torch(fused, dtype, rows):

@@ -114,6 +114,19 @@ def _build(name: str, folder: Path) -> None:
         raise KernelsUnavailable(f"the fused CPU kernels could not be built: {e}") from e
 
 
+def built_cpu_ops() -> ModuleType | None:
+    """The compiled module where this source's library is already built, else None: for a
+    caller that may use the kernels but must not wait minutes for a build (the CPU sampler of
+    a model on another device)."""
+    name = module_name()
+    if not (build_root() / name / f"{name}.so").exists():
+        return None
+    try:
+        return cpu_ops()
+    except KernelsUnavailable:
+        return None
+
+
 def try_cpu_ops() -> tuple[ModuleType | None, str]:
     """(module, "") or (None, why not)."""
     try:

@@ -175,7 +175,14 @@ def select_ops(device: torch.device, dtype: torch.dtype, fused: bool = True) -> 
     if not fused:
         return TorchOps(), "fused kernels turned off"
     if device.type != "cpu" or dtype not in FUSED_DTYPES:
-        return TorchOps(), f"fused kernels are for float32/bfloat16 on CPU, not {dtype} on {device.type}"
+        ops = TorchOps()
+        # The sampler draws on the CPU whatever the model's device: its top-p nuclei take the CPU
+        # kernel where one is built (the reference's bits, ~10x faster), never waiting for a build.
+        from isoserve.kernels import built_cpu_ops
+        kernels = built_cpu_ops()
+        if kernels is not None:
+            ops.nucleus = kernels.nucleus_rows
+        return ops, f"fused kernels are for float32/bfloat16 on CPU, not {dtype} on {device.type}"
     from isoserve.kernels import try_cpu_ops
     kernels, why = try_cpu_ops()
     if kernels is None:
