@@ -70,27 +70,29 @@ def test_each_row_keeps_its_smallest_sorted_prefix_reaching_top_p(kernel, top_p)
             assert _kept(weights[row], probs[row]) == want, (name, row)
 
 
-def test_ties_at_the_edge_go_in_position_order():
+def test_ties_at_the_edge_go_in_position_order(kernel):
     probs = torch.tensor([[0.1, 0.2, 0.2, 0.2, 0.2, 0.1]])
-    for top_p, kept in ((0.2, {1}), (0.3, {1, 2}), (0.55, {1, 2, 3}), (0.85, {1, 2, 3, 4, 0})):
-        assert _kept(nucleus_weights(probs, torch.tensor([top_p]))[0], probs[0]) == kept
     uniform = torch.full((1, 1000), 1 / 1024)  # one key, 1000 ties: the first 256 reach a quarter
-    assert _kept(nucleus_weights(uniform, torch.tensor([0.25]))[0], uniform[0]) == set(range(256))
+    for find in (nucleus_weights, kernel):
+        for top_p, kept in ((0.2, {1}), (0.3, {1, 2}), (0.55, {1, 2, 3}), (0.85, {1, 2, 3, 4, 0})):
+            assert _kept(find(probs, torch.tensor([top_p]))[0], probs[0]) == kept
+        assert _kept(find(uniform, torch.tensor([0.25]))[0], uniform[0]) == set(range(256))
 
 
 def test_the_most_likely_token_always_stays(kernel):
     probs = torch.softmax(torch.randn(4, 500, generator=torch.Generator().manual_seed(1)), -1)
-    # Below every probability: float32's smallest, and values float32 rounds to 0 (as a request's
-    # top_p of 1e-46 does; it once emptied the nucleus).
-    p = torch.tensor([1e-45, 1e-46, 5e-324, 0.0])
+    # Below every probability: float32's smallest, and 0, which is what a request's top_p of
+    # 1e-46 becomes in float32 (it once emptied the nucleus).
+    p = torch.tensor([1e-45, 1e-45, 0.0, 0.0])
     for weights in (nucleus_weights(probs, p), kernel(probs, p)):
         assert (weights > 0).sum(-1).tolist() == [1] * 4
         assert torch.equal(weights.argmax(-1), probs.argmax(-1))
 
 
-def test_a_top_p_above_the_rounded_total_keeps_every_likely_token(kernel):
-    probs = torch.full((1, 3), 0.333333)  # sums to 0.999999
-    probs[0, 2] = 0.0
+def test_a_top_p_above_the_rows_total_keeps_every_likely_token(kernel):
+    """As where a row's float32 probabilities sum to a little less than a top_p near 1."""
+    probs = torch.full((1, 3), 0.333333)
+    probs[0, 2] = 0.0  # the total is 0.666666, and a token of probability 0 stays out
     for weights in (nucleus_weights(probs, torch.tensor([1.0])), kernel(probs, torch.tensor([1.0]))):
         assert _kept(weights[0], probs[0]) == {0, 1}
 
@@ -121,11 +123,13 @@ def test_negative_zero_is_a_probability_of_zero(kernel):
 
 
 @settings(max_examples=300, deadline=None)
-@given(row=st.lists(st.one_of(st.just(0.0), st.floats(2.0**-40, 1.0, width=32), st.sampled_from([0.125, 0.25, 0.5])),
+@given(row=st.lists(st.one_of(st.sampled_from([0.0, -0.0, 0.125, 0.25, 0.5, 1e-45, 1e-40]),
+                              st.floats(2.0**-40, 1.0, width=32), st.floats(0.0, 2.0**-120, width=32)),
                     min_size=1, max_size=300),
        top_p=st.floats(2.0**-20, 1.0, width=32))
 def test_any_weights_and_top_p(kernel, row, top_p):
-    """Unnormalized weights too: keys and sums do not need a total of 1."""
+    """Unnormalized weights too (keys and sums do not need a total of 1), with zeros, -0.0 and
+    subnormals, whose key is the lowest."""
     probs = torch.tensor([row], dtype=torch.float32)
     assume(float(probs.sum()) > 0)
     p = torch.tensor([top_p], dtype=torch.float32)
@@ -136,6 +140,14 @@ def test_any_weights_and_top_p(kernel, row, top_p):
     assume(nearest is None or nearest > Fraction(1, 10**9))
     assume(abs(total - Fraction(float(p[0]))) > Fraction(1, 10**9))  # top_p not within rounding of the total
     assert _kept(weights[0], probs[0]) == want
+
+
+def test_a_nan_top_p_is_refused(kernel):
+    probs, p = torch.tensor([[0.5, 0.3, 0.2]]), torch.tensor([float("nan")])
+    with pytest.raises(ValueError, match="NaN"):
+        nucleus_weights(probs, p)
+    with pytest.raises(RuntimeError, match="NaN"):
+        kernel(probs, p)
 
 
 @pytest.mark.parametrize("probs,top_p,message", [

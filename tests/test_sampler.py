@@ -1,6 +1,6 @@
 """The batched sampler (engine/sampler.py) on its own: the tokens it draws follow the
-distribution temperature, top-k and top-p leave, at every width the top-p search takes, never a
-token of probability 0, the same token for the same seed wherever the row sits, and an error
+distribution temperature, top-k and top-p leave (top-p by the torch reference and by the CPU
+kernel, tests/test_nucleus.py checking their nuclei), never a token of probability 0, the same token for the same seed wherever the row sits, and an error
 for a row that is not a distribution. tests/test_sampling.py checks it end to end on a model.
 """
 from __future__ import annotations
@@ -113,8 +113,8 @@ def test_ties_with_the_kth_value_past_the_candidates_are_drawn_too():
 
 def _nucleus_logits(vocab: int, size: int) -> torch.Tensor:
     """A row whose 0.9-nucleus holds most of `size` likely tokens: they hold ~92% of the mass,
-    each a little less likely than the one before (no ties: which of several tied tokens a
-    prefix keeps is the sort's choice), the rest spread thinly, in shuffled positions."""
+    each a little less likely than the one before (no ties: tests/test_nucleus.py checks how a
+    prefix cuts through them), the rest spread thinly, in shuffled positions."""
     logits = torch.zeros(vocab, dtype=torch.float64)
     logits[:size] = math.log(0.92 / size) - math.log(0.08 / (vocab - size)) + torch.linspace(0.3, 0, size)
     return logits[torch.randperm(vocab, generator=torch.Generator().manual_seed(size))][None].float()

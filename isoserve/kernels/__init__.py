@@ -1,7 +1,6 @@
 """Fused CPU kernels (cpu_ops.cpp, amx_matmul.cpp, amx_attention.cpp, vector_matmul.cpp,
 vector_attention.cpp, int8_matmul.cpp, f32_prefill_attention.cpp, decoder_stack.cpp,
-nucleus.cpp), built
-with torch's C++ extension builder.
+nucleus.cpp), built with torch's C++ extension builder.
 
 `make install` builds them once (`python -m isoserve.kernels`: ninja and the system C++
 compiler) into a folder named after a hash of the source, the flags and the torch version.
@@ -10,6 +9,8 @@ runs ninja in every process, and a worker killed in that window (a restart, a ki
 leave the lock behind and hang every later start. Only a process that finds no library for
 this source builds one. Where the kernels do not apply (CUDA, float16) or cannot be built, the
 model runs the same steps as torch ops (model/layer_ops.py); the engine's startup log says which.
+The sampler's top-p kernel (nucleus.cpp) runs on the CPU whatever the model's device, wherever
+a library is already built (built_cpu_ops).
 """
 from __future__ import annotations
 

@@ -8,10 +8,14 @@
   silu_mul        SwiGLU over the merged gate-up projection
   argmax          greedy tokens: each logits row's first maximal index (the sampler's, not a
                   layer's, but the same choice of implementation)
-  nucleus         top-p: each row's probabilities inside its nucleus (the sampler's too)
+  nucleus         top-p: each row's probabilities inside its nucleus (the sampler's too, and
+                  on the CPU whatever the model's device: kernels/nucleus.cpp wherever it
+                  is built, the reference engine/nucleus.py with --no-fused-kernels or
+                  where nothing is built)
 
 `TorchOps` runs them as torch ops; it is the reference. `FusedOps` runs each as one call into
-the fused CPU kernels (kernels/cpu_ops.cpp), which round where the reference rounds. At batch 1
+the fused CPU kernels (kernels/cpu_ops.cpp and the files it binds), which round where the
+reference rounds. At batch 1
 the torch versions are ~50 small op calls per layer, a third of the step's time; fused, a
 handful. The decode kernel also reads K and V where they lie in the pool instead of gathering
 a padded copy first. Prefill attention takes every chunk of the step in one kernel call on
@@ -171,7 +175,9 @@ class FusedOps:
 
 
 def select_ops(device: torch.device, dtype: torch.dtype, fused: bool = True) -> tuple[TorchOps | FusedOps, str]:
-    """The fused kernels where asked for, built and applicable; else torch ops, with the reason."""
+    """The fused kernels where asked for, built and applicable; else torch ops, with the reason
+    (and, where only the model's device or dtype rules the kernels out, the built CPU kernel's
+    top-p nuclei: the sampler runs on the CPU)."""
     if not fused:
         return TorchOps(), "fused kernels turned off"
     if device.type != "cpu" or dtype not in FUSED_DTYPES:
