@@ -29,8 +29,8 @@ KEYS = 1 << (31 - KEY_SHIFT)  # 2,048: every non-negative float32, inf and NaN i
 
 def nucleus_weights(probs: torch.Tensor, top_p: torch.Tensor) -> torch.Tensor:
     """[R, V] float32: each row's probabilities inside its nucleus, 0 outside. probs: [R, V]
-    float32 and non-negative (a softmax's); top_p: [R] float32 at most 1 (one rounded to 0
-    keeps the most likely token; NaN is refused). A row whose mass is not finite and positive comes back all
+    float32 and non-negative (a softmax's); top_p: [R] float32 at most 1, or inf to keep every
+    token (one rounded to 0 keeps the most likely token; NaN is refused). A row whose mass is not finite and positive comes back all
     0, which the draw then refuses."""
     if bool(top_p.isnan().any()):  # no order of masses can say where it is reached
         raise ValueError("top_p is NaN")

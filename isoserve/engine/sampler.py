@@ -86,12 +86,13 @@ def _top_k_width(k: int, vocab: int) -> int | None:
     return next((w for w in TOP_K_WIDTHS if k < w < vocab), None)
 
 
-def _draw_top_k(logits: torch.Tensor, seqs: list[Sequence], width: int,
-                u: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
+def _draw_top_k(logits: torch.Tensor, seqs: list[Sequence], width: int, u: torch.Tensor,
+                nucleus: Nucleus) -> tuple[torch.Tensor, torch.Tensor]:
     """Rows whose top-k fits in `width` candidates: ([R] tokens, [R] False where a tie with the
     k-th value may reach past the candidates; that row's token is to be drawn again the whole
-    vocabulary's way). Temperature, top-k (its ties), softmax and top-p over the candidates only:
-    the same distribution as over the masked vocabulary."""
+    vocabulary's way). Temperature, top-k (its ties), softmax and top-p over the candidates only
+    (the same nucleus as over the masked vocabulary; the candidates come sorted, so equal ones
+    keep topk's order): the same distribution as over the masked vocabulary."""
     # The candidates by the logits as they are: dividing by a positive temperature keeps their
     # order, and only the candidates are then scaled (in float32, as the whole vocabulary would be).
     raw, ids = torch.topk(logits, width, dim=-1)
@@ -99,9 +100,10 @@ def _draw_top_k(logits: torch.Tensor, seqs: list[Sequence], width: int,
     kth = values.gather(1, torch.tensor([s.params.top_k - 1 for s in seqs])[:, None])
     complete = values[:, -1] < kth[:, 0]
     probs = torch.softmax(values.masked_fill_(values < kth, float("-inf")), dim=-1)
+    # A row without top-p keeps every candidate (top_p 1 could cut a tail that rounding puts past 1).
     top_p = torch.tensor([s.params.top_p if s.params.top_p < 1.0 else float("inf") for s in seqs],
                          dtype=torch.float32)
-    return _draw_prefix(probs, ids, top_p, u), complete
+    return ids.gather(1, _inverse_cdf(nucleus(probs, top_p), u)[:, None])[:, 0], complete
 
 
 def _select(t: torch.Tensor, rows) -> torch.Tensor:
@@ -139,14 +141,6 @@ def _inverse_cdf(weights: torch.Tensor, u: torch.Tensor) -> torch.Tensor:
     return (block * BLOCK + within)[:, 0]
 
 
-def _draw_prefix(values: torch.Tensor, ids: torch.Tensor, top_p: torch.Tensor, u: torch.Tensor) -> torch.Tensor:
-    """[R] tokens from rows of probabilities sorted descending (values [R, W], their token ids
-    [R, W]): within the smallest prefix whose mass reaches top_p (the first token always stays)."""
-    drop = values.cumsum(-1) - values >= top_p[:, None]
-    drop[:, 0] = False  # a top_p below float32's smallest value would otherwise drop it too
-    return ids.gather(1, _inverse_cdf(values.masked_fill_(drop, 0), u)[:, None])[:, 0]
-
-
 def _draw(logits: torch.Tensor, seqs: list[Sequence], nucleus: Nucleus) -> torch.Tensor:
     """[R] tokens sampled from the rows of logits [R, V], one per sequence."""
     u = _uniforms(seqs)
@@ -155,7 +149,7 @@ def _draw(logits: torch.Tensor, seqs: list[Sequence], nucleus: Nucleus) -> torch
     rest = [r for r, w in enumerate(widths) if w is None]
     for width in sorted(set(widths) - {None}):
         rows = [r for r, w in enumerate(widths) if w == width]
-        drawn, complete = _draw_top_k(_select(logits, rows), [seqs[r] for r in rows], width, u[rows])
+        drawn, complete = _draw_top_k(_select(logits, rows), [seqs[r] for r in rows], width, u[rows], nucleus)
         tokens[rows] = drawn
         rest += [r for r, ok in zip(rows, complete.tolist()) if not ok]
     if rest:

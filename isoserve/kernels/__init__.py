@@ -86,12 +86,16 @@ def cpu_features() -> str:
     return platform.machine() + " " + platform.processor()
 
 
+def _library(name: str) -> Path:
+    return build_root() / name / f"{name}.so"
+
+
 @functools.cache
 def cpu_ops() -> ModuleType:
     """The compiled module: imported when built, built first otherwise."""
     name = module_name()
-    folder = build_root() / name
-    library = folder / f"{name}.so"
+    library = _library(name)
+    folder = library.parent
     if not library.exists():
         _build(name, folder)
     loader = importlib.machinery.ExtensionFileLoader(name, str(library))
@@ -119,8 +123,7 @@ def built_cpu_ops() -> ModuleType | None:
     """The compiled module where this source's library is already built, else None: for a
     caller that may use the kernels but must not wait minutes for a build (the CPU sampler of
     a model on another device)."""
-    name = module_name()
-    if not (build_root() / name / f"{name}.so").exists():
+    if not _library(module_name()).exists():
         return None
     try:
         return cpu_ops()

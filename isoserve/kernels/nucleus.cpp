@@ -29,11 +29,17 @@ inline int key_of(float v) {
   return static_cast<int>((bits >> kKeyShift) & (kKeys - 1));  // -0.0 is key 0, as +0.0 is
 }
 
-// One row: out[j] = p[j] inside the nucleus, 0 outside. `edge_tokens` is the calling thread's
-// scratch.
-void nucleus_row(const float* p, int64_t n, double top_p, float* out,
-                 std::vector<std::pair<float, int64_t>>& edge_tokens) {
-  std::vector<double> from_top(kKeys, 0.0);
+// A thread's scratch, reused row after row.
+struct Scratch {
+  std::vector<double> from_top = std::vector<double>(kKeys);
+  std::vector<std::pair<float, int64_t>> edge_tokens;
+};
+
+// One row: out[j] = p[j] inside the nucleus, 0 outside.
+void nucleus_row(const float* p, int64_t n, double top_p, float* out, Scratch& scratch) {
+  std::vector<double>& from_top = scratch.from_top;
+  std::vector<std::pair<float, int64_t>>& edge_tokens = scratch.edge_tokens;
+  std::fill(from_top.begin(), from_top.end(), 0.0);
   for (int64_t j = 0; j < n; ++j) from_top[kKeys - 1 - key_of(p[j])] += static_cast<double>(p[j]);
   for (int k = 1; k < kKeys; ++k) from_top[k] += from_top[k - 1];  // the highest keys down to k
   const double total = from_top[kKeys - 1];
@@ -77,11 +83,11 @@ torch::Tensor nucleus_rows(const torch::Tensor& probs, const torch::Tensor& top_
   const float* p = probs.data_ptr<float>();
   float* o = out.data_ptr<float>();
   at::parallel_for(0, rows, 1, [&](int64_t begin, int64_t end) {
-    std::vector<std::pair<float, int64_t>> edge_tokens;
+    Scratch scratch;
     for (int64_t r = begin; r < end; ++r) {
       // nucleus.py's floor: a top_p rounded to 0 keeps the most likely token.
       const double at_least = std::max(static_cast<double>(tp[r]), std::numeric_limits<double>::min());
-      nucleus_row(p + r * n, n, at_least, o + r * n, edge_tokens);
+      nucleus_row(p + r * n, n, at_least, o + r * n, scratch);
     }
   });
   return out;
