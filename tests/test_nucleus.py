@@ -107,6 +107,31 @@ def test_every_row_takes_its_own_top_p_and_keys(kernel):
         assert torch.equal(alone[0], weights[row])
 
 
+def test_a_keys_mass_is_exact_so_positions_do_not_change_the_nucleus(kernel):
+    """The kernel sums a key's masses in any order (two tables, even and odd positions): a key's
+    float32 values are multiples of one unit, so their float64 sums are exact (nucleus.cpp).
+    A row of 49,152 distinct values in the key [0.5, 0.5625), 7 above it and 1,000 distinct
+    small ones in [2^-7, 1.125 * 2^-7): with the edge among the small ones, the big key's whole
+    mass sits in the sum before the edge, where a sum that rounds (float32's would drift by
+    ~0.1 there, ten small tokens) would move the edge. Any order of the tokens gives the same
+    nucleus, the reference's bits, and the exact one. 50,159 tokens are no multiple of the
+    kernel's 16-wide vectors, so the last ones take its scalar tail."""
+    g = torch.Generator().manual_seed(5)
+    big = 0.5 + torch.randperm(1 << 20, generator=g)[:VOCAB].double() * 2.0**-24   # exact in float32
+    above = torch.tensor([0.9, 0.8, 0.7, 0.65, 0.6, 0.59, 0.58], dtype=torch.float64)
+    small = 2.0**-7 + torch.randperm(1 << 20, generator=g)[:1000].double() * 2.0**-31
+    row = torch.cat([big, above, small]).float()[None]
+    order = torch.randperm(row.shape[-1], generator=g)
+    before_small = float(big.sum() + above.sum())
+    for share in (0.1, 0.5, 0.9):
+        p = torch.tensor([before_small + share * float(small.sum())])  # unnormalized weights
+        weights = kernel(row, p)
+        assert torch.equal(weights, nucleus_weights(row, p))
+        assert torch.equal(kernel(row[:, order], p), weights[:, order])
+        want, nearest = _exact_nucleus(row[0].tolist(), float(p[0]))
+        assert nearest > Fraction(1, 10**9) and _kept(weights[0], row[0]) == want
+
+
 @pytest.mark.parametrize("bad", [float("nan"), float("inf")])
 def test_a_row_that_is_no_distribution_keeps_nothing(kernel, bad):
     probs = torch.tensor([[0.5, 0.25, 0.25], [0.5, bad, 0.5], [0.0, 0.0, 0.0]])

