@@ -111,7 +111,8 @@ def test_a_keys_mass_is_exact_so_positions_do_not_change_the_nucleus(kernel):
     """The kernel sums a key's masses in any order (two tables, even and odd positions): a key's
     float32 values are multiples of one unit, so their float64 sums are exact (nucleus.cpp).
     A row of 49,152 distinct values in the key [0.5, 0.5625), 7 above it and 1,000 distinct
-    small ones in [2^-7, 1.125 * 2^-7): with the edge among the small ones, the big key's whole
+    small ones in [2^-7, 1.125 * 2^-7), float32's steps of 2^-30 there: with the edge among the
+    small ones, the big key's whole
     mass sits in the sum before the edge, where a sum that rounds (float32's would drift by
     ~0.1 there, ten small tokens) would move the edge. Any order of the tokens gives the same
     nucleus, the reference's bits, and the exact one. 50,159 tokens are no multiple of the
@@ -119,7 +120,7 @@ def test_a_keys_mass_is_exact_so_positions_do_not_change_the_nucleus(kernel):
     g = torch.Generator().manual_seed(5)
     big = 0.5 + torch.randperm(1 << 20, generator=g)[:VOCAB].double() * 2.0**-24   # exact in float32
     above = torch.tensor([0.9, 0.8, 0.7, 0.65, 0.6, 0.59, 0.58], dtype=torch.float64)
-    small = 2.0**-7 + torch.randperm(1 << 20, generator=g)[:1000].double() * 2.0**-31
+    small = 2.0**-7 + torch.randperm(1 << 20, generator=g)[:1000].double() * 2.0**-30
     row = torch.cat([big, above, small]).float()[None]
     order = torch.randperm(row.shape[-1], generator=g)
     before_small = float(big.sum() + above.sum())
@@ -184,3 +185,11 @@ def test_a_nan_top_p_is_refused(kernel):
 def test_the_kernel_refuses_what_it_cannot_read(kernel, probs, top_p, message):
     with pytest.raises(RuntimeError, match=message):
         kernel(probs, top_p)
+
+
+def test_the_kernel_refuses_rows_too_long_for_exact_key_masses(kernel):
+    # Past 2^29 tokens a key's float64 mass could round, and then depend on the order of the
+    # additions. torch.empty leaves the 2 GiB untouched: the length is refused before any read.
+    probs = torch.empty(1, (1 << 29) + 1)
+    with pytest.raises(RuntimeError, match="at most 2"):
+        kernel(probs, torch.ones(1))

@@ -17,7 +17,8 @@ are sorted, and each is kept while the mass before it (the higher keys' sum, the
 tokens before it, in float64) stays under top_p.
 
 `nucleus_weights` is the reference, in torch ops. The CPU kernel (kernels/nucleus.cpp, the
-fused ops' `nucleus`) takes the same sums in the same order, so it gives the same bits.
+fused ops' `nucleus`) takes the same sums (the key masses exactly, the others in the same
+order), so it gives the same bits.
 """
 from __future__ import annotations
 

@@ -6,16 +6,17 @@
 // torch reference (tests/test_nucleus.py checks it). torch's version makes a dozen passes over
 // the [rows, vocabulary] block, most of them writing a new block; this one reads each row twice
 // and writes it once: [32, 49,152] took 9-15 ms in torch ops (~5 ms where fresh allocations
-// do not fault their pages in), 1.2-2.1 ms here (two threads) with both passes scalar, and
-// ~0.6 ms with the second pass in vectors (docs/benchmarks.md, session 37).
+// do not fault their pages in), 1.8-2.1 ms here (two threads) with both passes scalar, and
+// 1.0-1.1 ms with the second pass in vectors (docs/benchmarks.md, session 37).
 //
-// Why the first pass may add a key's masses in any order: every float32 of one key has the same
-// exponent bits (a key is the sign, the 8 exponent bits and 3 more), so each is a whole multiple
-// of one unit u below 2^24 u (u = 2^(e - 23) for exponent e; 2^-149 for the subnormals of keys
-// 0-7, as for the smallest normals). n of them sum to a multiple of u below n 2^24 u, which
-// float64's 53 bits hold exactly for n up to 2^29. Every partial sum is exact, so any order
-// gives the same bits (+inf and NaN, the only values of keys 2040 and up, give +inf or NaN in
-// any order).
+// Why the first pass may add a key's masses in any order: a key is the 8 exponent bits and the
+// top 3 of the mantissa (the sign is masked off), so every float32 of one key is +-m u for one
+// unit u and a whole m below 2^24 (u = 2^(e - 23) for exponent e; 2^-149 for the subnormals of
+// keys 0-7, as for the smallest normals). Any partial sum of n of them is a whole multiple of u
+// below n 2^24 u in magnitude, which float64's 53 bits hold exactly for n up to 2^29 (longer
+// rows are refused). Every partial sum is exact, so any order gives the same bits. (Keys 2040
+// and up hold +-inf and NaN: a row with one has a total that is not finite in any order, and
+// keeps nothing.)
 #include <torch/extension.h>
 #include <ATen/Parallel.h>
 
@@ -125,6 +126,8 @@ torch::Tensor nucleus_rows(const torch::Tensor& probs, const torch::Tensor& top_
                   top_p.dim() == 1 && top_p.size(0) == probs.size(0),
               "nucleus_rows takes top_p as a contiguous float32 CPU tensor [rows]");
   const int64_t rows = probs.size(0), n = probs.size(1);
+  TORCH_CHECK(n <= (int64_t{1} << 29), "nucleus_rows: rows of at most 2^29 probabilities (their key masses are "
+              "then exact), not ", n);
   const float* tp = top_p.data_ptr<float>();
   for (int64_t r = 0; r < rows; ++r) TORCH_CHECK(!std::isnan(tp[r]), "nucleus_rows: top_p of row ", r, " is NaN");
   auto out = torch::empty_like(probs);  // every element written
