@@ -44,6 +44,10 @@ class TorchOps:
     name = "torch ops"
     kernels = None  # the read guard (kv/guard.py) then checks with tensor ops too
 
+    def __init__(self, nucleus=nucleus_weights):
+        # The sampler's top-p: the reference, or a built CPU kernel with its bits (select_ops).
+        self.nucleus = nucleus
+
     @staticmethod
     def rms_norm(x: torch.Tensor, weight: torch.Tensor, eps: float) -> torch.Tensor:
         # Normalize in float32 as the reference implementation does, then return to the model dtype.
@@ -87,7 +91,6 @@ class TorchOps:
     def argmax(logits: torch.Tensor) -> torch.Tensor:
         return logits.argmax(dim=-1)
 
-    nucleus = staticmethod(nucleus_weights)
 
 
 # Where the AVX-512 float32 prefill kernel does not apply (AVX2), prefill chunks of at most this
@@ -181,13 +184,11 @@ def select_ops(device: torch.device, dtype: torch.dtype, fused: bool = True) -> 
     if not fused:
         return TorchOps(), "fused kernels turned off"
     if device.type != "cpu" or dtype not in FUSED_DTYPES:
-        ops = TorchOps()
         # The sampler draws on the CPU whatever the model's device: its top-p nuclei take the CPU
         # kernel where one is built (the reference's bits, ~10x faster), never waiting for a build.
         from isoserve.kernels import built_cpu_ops
         kernels = built_cpu_ops()
-        if kernels is not None:
-            ops.nucleus = kernels.nucleus_rows
+        ops = TorchOps(kernels.nucleus_rows) if kernels is not None else TorchOps()
         return ops, f"fused kernels are for float32/bfloat16 on CPU, not {dtype} on {device.type}"
     from isoserve.kernels import try_cpu_ops
     kernels, why = try_cpu_ops()
