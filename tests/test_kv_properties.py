@@ -8,11 +8,12 @@ import math
 
 import pytest
 import torch
-from hypothesis import HealthCheck, assume, given, settings, strategies as st
+from hypothesis import HealthCheck, assume, event, given, settings, strategies as st
 from hypothesis.stateful import RuleBasedStateMachine, initialize, invariant, precondition, rule
 
 from isoserve import LLM, SamplingParams
-from isoserve.engine.sequence import Status
+from isoserve.engine.scheduler import Scheduler
+from isoserve.engine.sequence import Sequence, Status
 from isoserve.errors import ContextLengthExceeded, KVIsolationViolation
 from isoserve.kv.allocator import OutOfPages, PageAllocator
 from isoserve.kernels import cpu_ops
@@ -456,6 +457,76 @@ def test_a_growing_sequence_takes_the_page_after_its_last_where_it_is_free(tiny_
     assert [engine.requests[r].pages for r in ("a", "c")] == [[0], [2]] and "b" not in engine.requests
     engine.step()  # each writes its fifth token: a page more
     assert [engine.requests[r].pages for r in ("a", "c")] == [[0, 1], [2, 3]]
+
+
+@settings(max_examples=200, deadline=None)
+@given(page_size=st.integers(1, 4), num_pages=st.integers(4, 16), budget=st.integers(1, 24),
+       data=st.data())
+def test_scheduler_fills_its_token_budget_through_preemptions(page_size, num_pages, budget, data):
+    """The scheduler alone, steps simulated: every step schedules at most the token budget, each
+    running sequence at most once, and leaves budget unused only where every running sequence
+    has all its uncomputed tokens scheduled and the next waiting one lacks pages, also in steps
+    where a preemption took back a chunk scheduled earlier in that step."""
+    capacity = num_pages * page_size
+    lengths = data.draw(st.lists(st.tuples(st.integers(1, capacity - 1), st.integers(1, 6)),
+                                 min_size=1, max_size=8))
+    pool = KVPool(CONFIG, num_pages, page_size, torch.float32)
+    allocator = PageAllocator(pool)
+    scheduler = Scheduler(allocator, page_size, max_num_seqs=8, max_batched_tokens=budget)
+    for i, (prompt, new) in enumerate(lengths):
+        new = min(new, capacity - prompt)  # each fits the pool alone, so all of them finish
+        scheduler.add(Sequence(request_id=str(i), tag=i + 1, prompt_token_ids=[1] * prompt,
+                               params=SamplingParams(max_tokens=new), arrival=i))
+    preempting_steps = 0
+    for _ in range(10_000):
+        if not scheduler.has_work():
+            break
+        preemptions = scheduler.num_preemptions
+        chunks = scheduler.schedule()
+        preempting_steps += scheduler.num_preemptions > preemptions
+        scheduled = sum(c.num_tokens for c in chunks)
+        assert 0 < scheduled <= budget
+        assert len({id(c.seq) for c in chunks}) == len(chunks)
+        assert all(c.seq.status is Status.RUNNING and c.num_tokens <= c.seq.num_uncomputed for c in chunks)
+        if scheduled < budget:  # budget left: nothing more could have been scheduled
+            given_all = {id(c.seq) for c in chunks if c.num_tokens == c.seq.num_uncomputed}
+            assert all(id(s) in given_all for s in scheduler.running)
+            if scheduler.waiting and len(scheduler.running) < scheduler.max_num_seqs:
+                head = scheduler.waiting[0]  # admission stopped for want of pages only
+                n = min(head.num_uncomputed, budget - scheduled)
+                assert -(-(head.num_computed + n) // page_size) > allocator.num_free
+        for c in chunks:  # the step: KV computed, a token after each chunk that reaches the end
+            seq = c.seq
+            seq.num_computed += c.num_tokens
+            if seq.num_computed == seq.num_tokens:
+                seq.output_token_ids.append(1)
+                if len(seq.output_token_ids) == seq.params.max_tokens:
+                    seq.status = Status.FINISHED
+                    scheduler.finish(seq)
+                    allocator.free(seq.pages)
+    assert not scheduler.has_work() and allocator.num_free == num_pages
+    event(f"steps with a preemption: {min(preempting_steps, 3)}")
+
+
+def test_a_preemption_in_a_step_gives_the_taken_chunk_budget_to_the_next_sequence():
+    """B, the newest, is scheduled first (an older A was preempted once and so runs after it);
+    A's next token needs a page and none is free, so B is preempted and its chunk taken back.
+    The budget B's token held goes to what comes next: B again, from the queue, with 2 tokens."""
+    pool = KVPool(CONFIG, 4, 2, torch.float32)
+    allocator = PageAllocator(pool)
+    scheduler = Scheduler(allocator, 2, max_num_seqs=8, max_batched_tokens=3)
+    params = SamplingParams(max_tokens=4)
+    a = Sequence(request_id="a", tag=1, prompt_token_ids=[1] * 4, params=params, arrival=0)
+    b = Sequence(request_id="b", tag=2, prompt_token_ids=[1] * 3, params=params, arrival=1)
+    for seq in (b, a):  # running in this order; each has a token to decode
+        seq.pages, seq.page_epochs = allocator.allocate(2)
+        seq.num_computed = seq.num_tokens
+        seq.output_token_ids.append(1)
+        scheduler.add_running(seq)
+    assert allocator.num_free == 0
+    chunks = scheduler.schedule()
+    assert [(c.seq.request_id, c.num_tokens) for c in chunks] == [("a", 1), ("b", 2)]
+    assert scheduler.num_preemptions == 1 and b.num_computed == 0 and len(a.pages) == 3
 
 
 def _assert_idle(engine) -> None:

@@ -47,17 +47,20 @@ class Scheduler:
         chunks: list[ScheduledChunk] = []
         decoding = [s for s in self.running if s.num_uncomputed == 1]
         prefilling = [s for s in self.running if s.num_uncomputed > 1]
+        scheduled = 0  # tokens in chunks
         for seq in decoding + prefilling:
-            # Recomputed each time: a preemption may have handed a chunk's tokens back.
-            budget = self.max_batched_tokens - sum(c.num_tokens for c in chunks)
-            if budget == 0:
+            if scheduled == self.max_batched_tokens:
                 break
             if seq.status is not Status.RUNNING:  # preempted earlier in this loop
                 continue
-            n = min(seq.num_uncomputed, budget)
+            n = min(seq.num_uncomputed, self.max_batched_tokens - scheduled)
+            preemptions = self.num_preemptions
             if self._reserve(seq, n, chunks):  # False: seq itself was preempted
                 chunks.append(ScheduledChunk(seq, n))
-        budget = self.max_batched_tokens - sum(c.num_tokens for c in chunks)
+                scheduled += n
+            if self.num_preemptions != preemptions:  # a preemption may have taken chunks back
+                scheduled = sum(c.num_tokens for c in chunks)
+        budget = self.max_batched_tokens - scheduled
         while self.waiting and budget > 0 and len(self.running) < self.max_num_seqs:
             seq = self.waiting[0]
             n = min(seq.num_uncomputed, budget)
