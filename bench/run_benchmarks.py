@@ -554,12 +554,18 @@ def part_roofline(run: Run) -> str:
     matmuls = ", ".join(f"{'x'.join(map(str, m['shape']))}: {m['flops'] / 1e12:.3f}"
                         for m in data["matmuls"])
     floors = data.get("floor_dtype", p.dtype)
+    int8_rate = ""
+    if data.get("int8_peak_ops"):
+        int8_rate = (" int8 `torch._int_mm` (oneDNN, int8 x int8 -> int32, no scales) at best "
+                     f"**{data['int8_peak_ops'] / 1e12:.3f} TOP/s** ("
+                     + ", ".join(f"{'x'.join(map(str, m['shape']))}: {m['ops'] / 1e12:.3f}"
+                                 for m in data["int8_matmuls"]) + ").")
     body = (f"This machine, measured in the same run: {floors} `torch.matmul` at best "
             f"**{data['peak_flops'] / 1e12:.3f} TFLOP/s** (TFLOP/s per [m, k] x [k, n] shape, "
             f"m x k x n: {matmuls}); memory bandwidth **{bw['bytes_per_s'] / 1e9:.1f} GB/s** (the "
             f"better of `.sum()` over a {bw['bytes'] / 2**20:.0f} MiB float32 tensor, "
             f"{bw['read_bytes_per_s'] / 1e9:.1f} GB/s, and copying it, "
-            f"{bw['copy_bytes_per_s'] / 1e9:.1f} GB/s read + write).\n\n"
+            f"{bw['copy_bytes_per_s'] / 1e9:.1f} GB/s read + write).{int8_rate}\n\n"
             f"{p.model} {p.isoserve_dtypes}: {costs['parameters'] / 1e6:.1f} M parameters, "
             f"{costs['matmul_parameters'] / 1e6:.1f} M of them in the matmuls of a decode step "
             f"({tied}), {costs['weight_bytes'] / 1e6:.1f} MB of "
@@ -577,7 +583,10 @@ def part_roofline(run: Run) -> str:
             f"(issue 6 counts them in bfloat16, native on the CPU it was set on); \"weights it reads\" are the forms "
             f"the step takes at that batch (the GGUF's Q4_1 and Q8_0 blocks where a quantized "
             f"tier covers it, model/quantized.py), and \"their floor\" is those bytes plus the KV "
-            f"over the bandwidth.\n\n" + md_table(roofline.HEADERS, [roofline.cells(r) for r in data["results"]]))
+            f"over the bandwidth. The int8 compute floor puts the matmuls at the int8 rate and "
+            f"attention at the {floors} one: the step's arithmetic in int8 with no per-block scales, "
+            f"which the GGUF formats' int8 tiles cannot go below once a batch makes them "
+            f"compute-bound.\n\n" + md_table(roofline.HEADERS, [roofline.cells(r) for r in data["results"]]))
     return section("Roofline: ideal vs measured decode step (issue 6)", run, [run.show(cmd)], body)
 
 

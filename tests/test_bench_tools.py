@@ -29,6 +29,8 @@ def test_roofline_reports_every_field(tiny_llama_dir, tmp_path, capsys):
     assert data["floor_dtype"] == dtype_name("auto")  # the CPU's native dtype, as issue 6 counts floors
     assert data["peak_flops"] > 0 and data["bandwidth"]["bytes_per_s"] > 0
     assert data["matmuls"] and all(m["flops"] > 0 for m in data["matmuls"])
+    # This torch multiplies int8 on the CPU (torch._int_mm), so every row has an int8 floor.
+    assert data["int8_peak_ops"] > 0 and len(data["int8_matmuls"]) == len(data["matmuls"])
     costs = data["model_costs"]
     assert 0 < costs["matmul_parameters"] <= costs["parameters"]  # the tiny model is untied
     assert costs["weight_bytes"] > 0
@@ -38,6 +40,7 @@ def test_roofline_reports_every_field(tiny_llama_dir, tmp_path, capsys):
                     "measured_s", "measured_over_ideal", "measured_over_memory_floor"):
             assert row[key] > 0, key
         assert row["ideal_s"] == max(row["memory_floor_s"], row["compute_floor_s"])
+        assert 0 < row["int8_compute_floor_s"] and row["measured_over_int8_floor"] > 0
         assert row["isoserve"]["decode_steps"] >= 1
         assert row["isoserve"]["guard_seconds_median"] > 0 and 0 < row["isoserve"]["guard_share"] < 1
         # A safetensors model has no GGUF blocks: the step reads every weight in bfloat16.

@@ -2,6 +2,7 @@
 decode step they imply for a model at each batch size, and isoserve's measured step against it.
 
     measure peak FLOP/s (torch.matmul on the model's decode shapes and one large square)
+    measure int8 ops/s (torch._int_mm on the same shapes: int8 arithmetic with no scales)
     measure memory bandwidth (sum over, and copy of, a large tensor)
     for each batch size:
         bytes a decode step must read:  every weight matrix once (embedding rows are gathered,
@@ -18,7 +19,11 @@ output). The FLOP/s and that floor are the CPU's native dtype's, whatever isoser
 was written for; float32 elsewhere): on AVX512-VNNI without AMX isoserve's `--dtype auto` runs
 float32 with int8 activations, and a floor of float32 weights would be twice as lenient. A
 second floor counts the weights the step actually reads, which are the GGUF's 4- or 8-bit
-blocks where a quantized tier takes the batch (model/quantized.py). The measured step is everything engine.step() does: scheduling, the guard, the
+blocks where a quantized tier takes the batch (model/quantized.py). A third, the int8 compute
+floor, puts the matmuls at torch._int_mm's best rate and attention at the float one: how fast a
+step's arithmetic could go in int8 on this CPU, before the GGUF formats' per-block scales (where
+the step runs int8 tiles, that floor is the one its matmuls answer to once the batch makes them
+compute-bound). The measured step is everything engine.step() does: scheduling, the guard, the
 forward, sampling and detokenization.
 """
 from __future__ import annotations
@@ -60,6 +65,25 @@ def measure_flops(shapes: list[tuple[int, int, int]], dtype: torch.dtype = torch
             out = torch.empty(m, n, dtype=dtype)
             best = _best_seconds(lambda: torch.matmul(a, b, out=out), seconds)
             results.append({"shape": [m, k, n], "seconds": best, "flops": 2 * m * k * n / best})
+    return results
+
+
+def measure_int8_ops(shapes: list[tuple[int, int, int]], seconds: float = MATMUL_SECONDS) -> list[dict]:
+    """Best int8 x int8 -> int32 multiply-adds/s (as 2 ops each) of torch._int_mm for each
+    (m, k, n): oneDNN's kernels (VNNI or AMX where the CPU has them), with no scales at all.
+    That is the rate of a step's matmuls in int8 arithmetic, above what the GGUF's formats
+    allow (their per-block scales add float work to every 32 products). [] where this torch
+    has no int8 matmul on the CPU."""
+    results = []
+    with torch.inference_mode():
+        for m, k, n in shapes:
+            a = torch.randint(-128, 128, (m, k), dtype=torch.int8)
+            b = torch.randint(-128, 128, (k, n), dtype=torch.int8)
+            try:
+                best = _best_seconds(lambda: torch._int_mm(a, b), seconds)
+            except (AttributeError, NotImplementedError, RuntimeError):
+                return []
+            results.append({"shape": [m, k, n], "seconds": best, "ops": 2 * m * k * n / best})
     return results
 
 
@@ -200,7 +224,7 @@ def run_roofline(args) -> dict:
     floor_dtype = parse_dtype("auto")  # the CPU's native dtype, without the model's say (see above)
     batches = sorted(set(args.batch))
     square = args.roofline_square
-    total = 2 + len(batches)
+    total = 3 + len(batches)
     bar = tqdm(total=total, desc="roofline", unit="part")
 
     bar.set_postfix_str("matmul FLOP/s")
@@ -213,6 +237,16 @@ def run_roofline(args) -> dict:
     peak = max(m["flops"] for m in matmuls)
     bar.write(f"matmul: best {peak / 1e12:.3f} TFLOP/s ({dtype_name(floor_dtype)}); "
               + ", ".join(f"{'x'.join(map(str, m['shape']))} {m['flops'] / 1e9:.0f} GFLOP/s" for m in matmuls))
+    bar.update()
+
+    bar.set_postfix_str("int8 matmul ops/s")
+    int8_matmuls = measure_int8_ops(shapes)
+    int8_peak = max((m["ops"] for m in int8_matmuls), default=None)
+    if int8_peak:
+        bar.write(f"int8 matmul (torch._int_mm): best {int8_peak / 1e12:.3f} TOP/s; "
+                  + ", ".join(f"{'x'.join(map(str, m['shape']))} {m['ops'] / 1e9:.0f} GOP/s" for m in int8_matmuls))
+    else:
+        bar.write("int8 matmul: this torch has none on the CPU; no int8 floor")
     bar.update()
 
     bar.set_postfix_str("memory bandwidth")
@@ -236,6 +270,9 @@ def run_roofline(args) -> dict:
         nbytes, flops = step_costs(cfg, costs, batch, context)
         memory_floor, compute_floor = nbytes / bw["bytes_per_s"], flops / peak
         ideal = max(memory_floor, compute_floor)
+        # The matmuls at the int8 rate, attention (float) at the float one.
+        matmul_flops = batch * 2 * costs["matmul_parameters"]
+        int8_floor = (matmul_flops / int8_peak + (flops - matmul_flops) / peak) if int8_peak else None
         measured = measure_decode_steps(engine, prompts[:batch], args.output_tokens)
         step = measured["step_seconds_median"]
         kv_bytes = nbytes - costs["weight_bytes"]
@@ -249,6 +286,8 @@ def run_roofline(args) -> dict:
                "measured_over_memory_floor": step / memory_floor,
                "read_weight_bytes": read, "read_floor_s": read_floor,
                "measured_over_read_floor": step / read_floor,
+               "int8_compute_floor_s": int8_floor,
+               "measured_over_int8_floor": step / int8_floor if int8_floor else None,
                "measured_tokens_per_s": batch / step, "ideal_tokens_per_s": batch / ideal,
                "isoserve": measured}
         rows.append(row)
@@ -257,14 +296,15 @@ def run_roofline(args) -> dict:
         bar.update()
     bar.close()
     return {**run_header(args, model), "floor_dtype": dtype_name(floor_dtype), "context_tokens": context,
-            "peak_flops": peak, "matmuls": matmuls, "bandwidth": bw, "model_costs": costs,
+            "peak_flops": peak, "matmuls": matmuls, "int8_peak_ops": int8_peak,
+            "int8_matmuls": int8_matmuls, "bandwidth": bw, "model_costs": costs,
             "results": rows}
 
 
 HEADERS = ["batch", "weight MB", "KV MB", "GFLOP/step", "memory floor ms", "compute floor ms",
            "ideal ms", "isoserve ms", "isoserve / ideal", "isoserve / memory floor",
-           "weights it reads MB", "their floor ms", "isoserve / their floor", "read guard ms",
-           "read guard share"]
+           "weights it reads MB", "their floor ms", "isoserve / their floor",
+           "int8 compute floor ms", "isoserve / int8 floor", "read guard ms", "read guard share"]
 
 
 def cells(row: dict) -> list[str]:
@@ -274,6 +314,8 @@ def cells(row: dict) -> list[str]:
             f"{row['measured_s'] * 1e3:.2f}", f"{row['measured_over_ideal']:.2f}x",
             f"{row['measured_over_memory_floor']:.2f}x", f"{row['read_weight_bytes'] / 1e6:.1f}",
             f"{row['read_floor_s'] * 1e3:.2f}", f"{row['measured_over_read_floor']:.2f}x",
+            *((f"{row['int8_compute_floor_s'] * 1e3:.2f}", f"{row['measured_over_int8_floor']:.2f}x")
+              if row.get("int8_compute_floor_s") else ("-", "-")),
             f"{row['isoserve']['guard_seconds_median'] * 1e3:.3f}", f"{row['isoserve']['guard_share']:.2%}"]
 
 
@@ -283,7 +325,8 @@ def table(run: dict) -> str:
     lines = [f"== roofline: {run['model']} {run['dtype']}, {run['torch_threads']} threads{layers_note(run)}; "
              f"floors in {floors}: {run['peak_flops'] / 1e12:.3f} TFLOP/s, "
              f"{run['bandwidth']['bytes_per_s'] / 1e9:.1f} GB/s; "
-             f"context {run['context_tokens']:.0f} tokens ==",
+             + (f"int8 {run['int8_peak_ops'] / 1e12:.3f} TOP/s; " if run.get("int8_peak_ops") else "")
+             + f"context {run['context_tokens']:.0f} tokens ==",
              " ".join(h.rjust(w) for h, w in zip(HEADERS, widths))]
     lines += [" ".join(c.rjust(w) for c, w in zip(cells(r), widths)) for r in run["results"]]
     return "\n".join(lines)
