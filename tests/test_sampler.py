@@ -29,11 +29,38 @@ def _argmax(logits: torch.Tensor) -> torch.Tensor:
     return logits.argmax(dim=-1)
 
 
-def _draw_counts(logits: torch.Tensor, draws: int = DRAWS, **params) -> torch.Tensor:
+def _draw_counts(logits: torch.Tensor, draws: int = DRAWS, draw=None, **params) -> torch.Tensor:
     """How often each token came out of `draws` rows of the same logits, unseeded."""
     torch.manual_seed(0)
-    tokens, _ = sample(logits.expand(draws, -1).contiguous(), _seqs(draws, **params), _argmax)
+    tokens, _ = sample(logits.expand(draws, -1).contiguous(), _seqs(draws, **params), _argmax, nucleus_weights, draw)
     return torch.bincount(torch.tensor(tokens), minlength=logits.shape[-1])
+
+
+def _cpu_flags() -> set[str]:
+    return set(next(line for line in open("/proc/cpuinfo") if line.startswith("flags")).split())
+
+
+def test_the_draw_kernel_is_built_where_the_cpu_has_avx512():
+    """kernels/draw.cpp is AVX-512 only (-march=native): elsewhere the sampler's torch ops draw
+    the plain rows, and the kernel refuses to run rather than return nothing."""
+    kernels = cpu_ops()
+    assert kernels.has_temperature_draw == ({"avx512f", "avx512bw"} <= _cpu_flags())
+    if not kernels.has_temperature_draw:
+        with pytest.raises(RuntimeError, match="AVX-512"):
+            kernels.temperature_draw(torch.zeros(1, 4), torch.ones(1), torch.zeros(1, dtype=torch.float64))
+    else:  # what the sampler never passes is refused, not drawn from
+        with pytest.raises(RuntimeError, match="temperature"):
+            kernels.temperature_draw(torch.zeros(1, 4), torch.zeros(1), torch.zeros(1, dtype=torch.float64))
+        with pytest.raises(RuntimeError, match="u"):
+            kernels.temperature_draw(torch.zeros(1, 4), torch.ones(1), torch.ones(1, dtype=torch.float64))
+
+
+# The plain rows' draw: the sampler's torch ops, and the CPU kernel where this CPU builds it.
+DRAW_PATHS = ["torch ops"] + (["kernel"] if {"avx512f", "avx512bw"} <= _cpu_flags() else [])
+
+
+def _draw_path(name: str):
+    return None if name == "torch ops" else cpu_ops().temperature_draw
 
 
 def _expected(logits: torch.Tensor, temperature: float, top_k: int = -1, top_p: float = 1.0) -> torch.Tensor:
@@ -69,17 +96,62 @@ def _spread_logits(vocab: int, likely: dict[int, float]) -> torch.Tensor:
     return logits
 
 
+@pytest.mark.parametrize("path", DRAW_PATHS)
 @pytest.mark.parametrize("vocab", [7, BLOCK * 3, 1000])  # within a block, whole blocks, a padded last block
-def test_draws_follow_softmax_over_tokens_in_different_blocks(vocab):
+def test_draws_follow_softmax_over_tokens_in_different_blocks(vocab, path):
     likely = {0: 0.0, 1: 1.0, vocab // 2: 0.5, vocab - 2: 1.5, vocab - 1: -0.5}
     logits = _spread_logits(vocab, likely)
     for temperature in (1.0, 0.5):
-        _assert_follows(_draw_counts(logits, temperature=temperature), _expected(logits[0], temperature))
+        _assert_follows(_draw_counts(logits, draw=_draw_path(path), temperature=temperature),
+                        _expected(logits[0], temperature))
 
 
-def test_a_bfloat16_row_is_sampled_from_its_float32_values():
+@pytest.mark.parametrize("path", DRAW_PATHS)
+def test_a_bfloat16_row_is_sampled_from_its_float32_values(path):
     logits = (torch.randn(1, 3 * BLOCK, generator=torch.Generator().manual_seed(1)) * 2).to(torch.bfloat16)
-    _assert_follows(_draw_counts(logits, temperature=0.7), _expected(logits[0].float(), 0.7))
+    _assert_follows(_draw_counts(logits, draw=_draw_path(path), temperature=0.7), _expected(logits[0].float(), 0.7))
+
+
+def _plain_draw(path: str, logits: torch.Tensor, temperature: torch.Tensor, u: torch.Tensor) -> torch.Tensor:
+    """The rows' tokens at targets u by one draw path (the torch ops as the sampler runs them)."""
+    if path == "kernel":
+        return cpu_ops().temperature_draw(logits, temperature, u)
+    return sampler._inverse_cdf(torch.softmax(logits / temperature[:, None], -1), u)
+
+
+@pytest.mark.parametrize("path", DRAW_PATHS)
+def test_the_draw_takes_the_token_whose_span_holds_the_target(path):
+    """32 rows of a 49,152-token vocabulary (a third of the logits -inf), 20 draws each at seeded
+    targets: every token taken is right to ~1e-7 of the exact float64 distribution (the target
+    falls in its span), never a -inf logit, the same for a row drawn alone, and the kernel's
+    token is the torch ops' in all but a rounding's few."""
+    g = torch.Generator().manual_seed(5)
+    logits = torch.randn(32, 49152, generator=g) * 3
+    logits[:, ::3] = float("-inf")
+    temperature = torch.rand(32, generator=g) * 1.5 + 0.2
+    exact = torch.softmax(logits.double() / temperature.double()[:, None], -1).cumsum(-1)
+    agree = 0
+    for _ in range(20):
+        u = torch.rand(32, generator=g, dtype=torch.float64)
+        tokens = _plain_draw(path, logits, temperature, u)
+        agree += int((tokens == _plain_draw("torch ops", logits, temperature, u)).sum())
+        assert bool(torch.isfinite(logits.gather(1, tokens[:, None])).all())
+        end = exact.gather(1, tokens[:, None])[:, 0]
+        start = torch.where(tokens > 0, exact.gather(1, (tokens - 1).clamp(min=0)[:, None])[:, 0], 0.0)
+        assert bool(((start - 1e-7 <= u) & (u < end + 1e-7)).all())
+        alone = _plain_draw(path, logits[7:8].clone(), temperature[7:8].clone(), u[7:8].clone())
+        assert int(alone[0]) == int(tokens[7])
+    assert agree >= 0.999 * 20 * 32
+
+
+@pytest.mark.parametrize("path", DRAW_PATHS)
+def test_the_draw_at_the_ends_of_the_mass(path):
+    """u = 0 takes the first token of any weight; u at its largest (1 - 2^-53) the last, not the
+    -inf logits after it, whose blocks add nothing to the running sum."""
+    logits = torch.full((2, 1000), float("-inf"))
+    logits[:, 3], logits[:, 600] = 0.5, 1.0
+    u = torch.tensor([0.0, 1 - 2.0**-53], dtype=torch.float64)
+    assert _plain_draw(path, logits, torch.ones(2), u).tolist() == [3, 600]
 
 
 def test_top_k_keeps_the_k_most_likely_and_ties_with_the_kth():
@@ -170,28 +242,35 @@ def test_rows_of_different_parameters_and_widths_in_one_batch():
         assert tokens[2] == 4000
 
 
+@pytest.mark.parametrize("path", DRAW_PATHS)
 @pytest.mark.parametrize("params", [
     [SamplingParams(temperature=1.0, seed=7), SamplingParams(temperature=0.9, top_p=0.8, seed=8)],
     [SamplingParams(temperature=1.0, top_k=20, seed=7), SamplingParams(temperature=0.9, top_k=200, top_p=0.8, seed=8)],
+    [SamplingParams(temperature=0.6, seed=7), SamplingParams(temperature=1.2, top_k=3000, seed=8)],
 ])
-def test_a_seed_draws_the_same_token_alone_and_in_any_batch(params):
+def test_a_seed_draws_the_same_token_alone_and_in_any_batch(params, path):
+    draw = _draw_path(path)
     logits = torch.randn(6, 3000, generator=torch.Generator().manual_seed(3))
-    alone = [sample(logits[i:i + 1], [Sequence("a", 0, [1], p, 0)], _argmax)[0][0]
+    alone = [sample(logits[i:i + 1], [Sequence("a", 0, [1], p, 0)], _argmax, nucleus_weights, draw)[0][0]
              for i, p in zip((0, 1), params)]
     others = _seqs(4, temperature=1.0)
     torch.manual_seed(123)
     mixed, _ = sample(torch.cat([logits[2:4], logits[0:1], logits[4:6], logits[1:2]]),
                       others[:2] + [Sequence("a", 0, [1], params[0], 0)] + others[2:]
-                      + [Sequence("b", 0, [1], params[1], 0)], _argmax)
+                      + [Sequence("b", 0, [1], params[1], 0)], _argmax, nucleus_weights, draw)
     assert [mixed[2], mixed[5]] == alone
 
 
-@pytest.mark.parametrize("bad", [float("nan"), float("inf")])
-def test_a_row_that_is_no_distribution_is_refused(bad):
+@pytest.mark.parametrize("path", DRAW_PATHS)
+@pytest.mark.parametrize("bad", [float("nan"), float("inf"), "all -inf"])
+def test_a_row_that_is_no_distribution_is_refused(bad, path):
     logits = torch.zeros(2, 300)
-    logits[1, 17] = bad
+    if bad == "all -inf":
+        logits[1] = float("-inf")
+    else:
+        logits[1, 17] = bad
     with pytest.raises(ValueError, match="cannot sample"):
-        sample(logits, _seqs(2, temperature=1.0), _argmax)
+        sample(logits, _seqs(2, temperature=1.0), _argmax, nucleus_weights, _draw_path(path))
 
 
 @settings(max_examples=200, deadline=None)

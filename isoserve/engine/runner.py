@@ -49,7 +49,7 @@ class ModelRunner:
         for c in chunks:
             c.seq.num_computed += c.num_tokens
         ops = self.model.ops
-        tokens, logprobs = sample(logits, samplers, ops.argmax, ops.nucleus) if samplers else ([], [])
+        tokens, logprobs = sample(logits, samplers, ops.argmax, ops.nucleus, ops.draw) if samplers else ([], [])
         return StepResult(list(zip(samplers, tokens, logprobs)), violations)
 
     def guard(self, chunks: list[ScheduledChunk]) -> list[tuple[Sequence, Violation]]:

@@ -1025,6 +1025,14 @@ PYBIND11_MODULE(TORCH_EXTENSION_NAME, m) {
   m.def("argmax_rows", &argmax_rows, "each row's first index of its maximum, as torch.argmax");
   m.def("nucleus_rows", &nucleus_rows, "each row's probabilities inside its top-p nucleus, 0 outside",
         py::arg("probs"), py::arg("top_p"));
+#if ISOSERVE_BF16X16
+  m.attr("has_temperature_draw") = true;  // draw.cpp is AVX-512 only; elsewhere the sampler's torch ops
+#else
+  m.attr("has_temperature_draw") = false;
+#endif
+  m.def("temperature_draw", &temperature_draw,
+        "a token from each row of softmax(logits / temperature) at u of its mass, -1 where the row is "
+        "no distribution", py::arg("logits"), py::arg("temperature"), py::arg("u"));
   m.def("check_reads", &check_reads, "the read guard: (sequence, page index) pairs that fail");
   m.def("amx_status", &amx_status, "'' when q4_1_linear can run on this machine, else why not");
   m.def("q4_1_linear", &q4_1_linear, "x W^T for Q4_1 weight blocks (model/amx.py), on AMX",

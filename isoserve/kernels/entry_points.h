@@ -50,5 +50,7 @@ void prefill_attention_f32(const torch::Tensor& q, const torch::Tensor& k_cache,
                            double scale);
 // nucleus.cpp: each row's top-p nucleus (engine/nucleus.py)
 torch::Tensor nucleus_rows(const torch::Tensor& probs, const torch::Tensor& top_p);
+// draw.cpp: a token from each row of softmax(logits / temperature), -1 where it is no distribution
+torch::Tensor temperature_draw(const torch::Tensor& logits, const torch::Tensor& temperature, const torch::Tensor& u);
 // decoder_stack.cpp: adds the DecoderStack class to the module
 void register_decoder_stack(pybind11::module& m);

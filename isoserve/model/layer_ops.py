@@ -12,6 +12,9 @@
                   on the CPU whatever the model's device: kernels/nucleus.cpp wherever it
                   is built, the reference engine/nucleus.py with --no-fused-kernels or
                   where nothing is built)
+  draw            a token from each row of softmax(logits / temperature), for the rows
+                  with neither top-k nor top-p (kernels/draw.cpp, on the CPU, with AVX-512;
+                  None: the sampler's torch ops, the reference)
 
 `TorchOps` runs them as torch ops; it is the reference. `FusedOps` runs each as one call into
 the fused CPU kernels (kernels/cpu_ops.cpp and the files it binds), which round where the
@@ -44,9 +47,11 @@ class TorchOps:
     name = "torch ops"
     kernels = None  # the read guard (kv/guard.py) then checks with tensor ops too
 
-    def __init__(self, nucleus=nucleus_weights):
-        # The sampler's top-p: the reference, or a built CPU kernel with its bits (select_ops).
+    def __init__(self, nucleus=nucleus_weights, draw=None):
+        # The sampler's top-p: the reference, or a built CPU kernel with its bits (select_ops);
+        # its plain temperature draw: torch ops (None), or a built CPU kernel.
         self.nucleus = nucleus
+        self.draw = draw
 
     @staticmethod
     def rms_norm(x: torch.Tensor, weight: torch.Tensor, eps: float) -> torch.Tensor:
@@ -113,6 +118,7 @@ class FusedOps:
         self.rotary_store = kernels.rotary_store
         self.argmax = kernels.argmax_rows
         self.nucleus = kernels.nucleus_rows
+        self.draw = cpu_draw(kernels)
 
     def decode_attention(self, q: torch.Tensor, k_cache: torch.Tensor, v_cache: torch.Tensor,
                          attn: StepAttention, scale: float) -> torch.Tensor:
@@ -177,6 +183,11 @@ class FusedOps:
             prefill_attention_torch(q, k_cache, v_cache, attn, scale, out)
 
 
+def cpu_draw(kernels):
+    """The CPU kernel's temperature draw where it was built (AVX-512), else None."""
+    return kernels.temperature_draw if kernels.has_temperature_draw else None
+
+
 def select_ops(device: torch.device, dtype: torch.dtype, fused: bool = True) -> tuple[TorchOps | FusedOps, str]:
     """The fused kernels where asked for, built and applicable; else torch ops, with the reason
     (and, where only the model's device or dtype rules the kernels out, the built CPU kernel's
@@ -188,7 +199,7 @@ def select_ops(device: torch.device, dtype: torch.dtype, fused: bool = True) -> 
         # kernel where one is built (the reference's bits, ~10x faster), never waiting for a build.
         from isoserve.kernels import built_cpu_ops
         kernels = built_cpu_ops()
-        ops = TorchOps(kernels.nucleus_rows) if kernels is not None else TorchOps()
+        ops = TorchOps(kernels.nucleus_rows, cpu_draw(kernels)) if kernels is not None else TorchOps()
         return ops, f"fused kernels are for float32/bfloat16 on CPU, not {dtype} on {device.type}"
     from isoserve.kernels import try_cpu_ops
     kernels, why = try_cpu_ops()
