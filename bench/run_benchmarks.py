@@ -584,9 +584,8 @@ def part_roofline(run: Run) -> str:
             f"the step takes at that batch (the GGUF's Q4_1 and Q8_0 blocks where a quantized "
             f"tier covers it, model/quantized.py), and \"their floor\" is those bytes plus the KV "
             f"over the bandwidth. The int8 compute floor puts the matmuls at the int8 rate and "
-            f"attention at the {floors} one: the step's arithmetic in int8 with no per-block scales, "
-            f"which the GGUF formats' int8 tiles cannot go below once a batch makes them "
-            f"compute-bound.\n\n" + md_table(roofline.HEADERS, [roofline.cells(r) for r in data["results"]]))
+            f"attention at the {floors} one: a measured reference for the step's arithmetic in int8 "
+            f"with no per-block scales, which the GGUF formats' int8 tiles add float work to.\n\n" + md_table(roofline.HEADERS, [roofline.cells(r) for r in data["results"]]))
     return section("Roofline: ideal vs measured decode step (issue 6)", run, [run.show(cmd)], body)
 
 

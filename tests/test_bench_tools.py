@@ -40,7 +40,10 @@ def test_roofline_reports_every_field(tiny_llama_dir, tmp_path, capsys):
                     "measured_s", "measured_over_ideal", "measured_over_memory_floor"):
             assert row[key] > 0, key
         assert row["ideal_s"] == max(row["memory_floor_s"], row["compute_floor_s"])
-        assert 0 < row["int8_compute_floor_s"] and row["measured_over_int8_floor"] > 0
+        matmul_flops = row["batch"] * 2 * costs["matmul_parameters"]
+        assert row["int8_compute_floor_s"] == pytest.approx(
+            matmul_flops / data["int8_peak_ops"] + (row["flops"] - matmul_flops) / data["peak_flops"])
+        assert row["measured_over_int8_floor"] == pytest.approx(row["measured_s"] / row["int8_compute_floor_s"])
         assert row["isoserve"]["decode_steps"] >= 1
         assert row["isoserve"]["guard_seconds_median"] > 0 and 0 < row["isoserve"]["guard_share"] < 1
         # A safetensors model has no GGUF blocks: the step reads every weight in bfloat16.

@@ -40,11 +40,16 @@ def test_torch_ops_sample_top_p_by_a_built_kernel_only(tmp_path, monkeypatch):
     """A model the kernels do not serve (float16 here; CUDA likewise) still samples on the CPU:
     its nuclei take the CPU kernel where it is built, never a build; turned off, the reference."""
     from isoserve.engine.nucleus import nucleus_weights
+    kernels = cpu_ops()
+    draw = kernels.temperature_draw if kernels.has_temperature_draw else None
     ops, _ = select_ops(torch.device("cpu"), torch.float16)
-    assert ops.nucleus == cpu_ops().nucleus_rows
-    assert select_ops(torch.device("cpu"), torch.float32, fused=False)[0].nucleus is nucleus_weights
+    assert ops.nucleus == kernels.nucleus_rows and ops.draw == draw
+    assert select_ops(torch.device("cpu"), torch.float32)[0].draw == draw
+    off = select_ops(torch.device("cpu"), torch.float32, fused=False)[0]
+    assert off.nucleus is nucleus_weights and off.draw is None  # the reference: torch ops only
     monkeypatch.setenv("ISOSERVE_KERNELS_DIR", str(tmp_path))  # nothing built there
-    assert select_ops(torch.device("cpu"), torch.float16)[0].nucleus is nucleus_weights
+    unbuilt = select_ops(torch.device("cpu"), torch.float16)[0]
+    assert unbuilt.nucleus is nucleus_weights and unbuilt.draw is None
     assert not any(tmp_path.iterdir())
 
 

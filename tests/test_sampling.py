@@ -230,6 +230,9 @@ def test_no_logprobs_unless_asked(llm):
 
 @pytest.mark.parametrize("kwargs,param", [
     (dict(temperature=-0.1), "temperature"),
+    (dict(temperature=float("inf")), "temperature"),
+    (dict(temperature=1e39), "temperature"),  # finite in float64, inf in the sampler's float32
+    (dict(temperature=float("nan")), "temperature"),
     (dict(top_p=0), "top_p"),
     (dict(top_p=1.5), "top_p"),
     (dict(max_tokens=0), "max_tokens"),

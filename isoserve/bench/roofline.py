@@ -70,17 +70,18 @@ def measure_flops(shapes: list[tuple[int, int, int]], dtype: torch.dtype = torch
 
 def measure_int8_ops(shapes: list[tuple[int, int, int]], seconds: float = MATMUL_SECONDS) -> list[dict]:
     """Best int8 x int8 -> int32 multiply-adds/s (as 2 ops each) of torch._int_mm for each
-    (m, k, n): oneDNN's kernels (VNNI or AMX where the CPU has them), with no scales at all.
-    That is the rate of a step's matmuls in int8 arithmetic, above what the GGUF's formats
-    allow (their per-block scales add float work to every 32 products). [] where this torch
-    has no int8 matmul on the CPU."""
+    (m, k, n), with no scales at all: torch's own int8 matmul (oneDNN's VNNI or AMX kernels
+    where they take the shape). A measured reference for a step's matmuls in int8 arithmetic,
+    which the GGUF formats' per-block scales (float work every 32 products) add to, not a bound
+    of the hardware. [] where this torch has no int8 matmul on the CPU."""
     results = []
     with torch.inference_mode():
         for m, k, n in shapes:
             a = torch.randint(-128, 128, (m, k), dtype=torch.int8)
             b = torch.randint(-128, 128, (k, n), dtype=torch.int8)
+            out = torch.empty(m, n, dtype=torch.int32)  # as measure_flops: no allocation timed
             try:
-                best = _best_seconds(lambda: torch._int_mm(a, b), seconds)
+                best = _best_seconds(lambda: torch._int_mm(a, b, out=out), seconds)
             except (AttributeError, NotImplementedError, RuntimeError):
                 return []
             results.append({"shape": [m, k, n], "seconds": best, "ops": 2 * m * k * n / best})

@@ -9,6 +9,9 @@ MAX_LOGPROBS = 20
 # A positive temperature below this is sampled greedily, its limit: dividing logits by ~1e-300
 # overflows to inf and the distribution becomes NaN.
 MIN_TEMPERATURE = 1e-5
+# The largest temperature: the sampler divides by it in float32, where anything above is inf
+# (and the distribution, every token at weight 1 or NaN, no longer one the sampler can draw from).
+MAX_TEMPERATURE = 3.4028234663852886e38
 
 
 @dataclass
@@ -29,8 +32,8 @@ class SamplingParams:
         self.stop = [s for s in (self.stop or [])]
         _check(isinstance(self.max_tokens, int) and self.max_tokens >= 1, "max_tokens",
                f"max_tokens must be an integer >= 1, got {self.max_tokens!r}")
-        _check(self.temperature >= 0, "temperature",
-               f"temperature must be >= 0, got {self.temperature}")
+        _check(0 <= self.temperature <= MAX_TEMPERATURE, "temperature",
+               f"temperature must be >= 0 and finite in float32, got {self.temperature}")
         _check(0 < self.top_p <= 1, "top_p", f"top_p must be in (0, 1], got {self.top_p}")
         _check(isinstance(self.top_k, int) and (self.top_k >= 1 or self.top_k in (0, -1)), "top_k",
                f"top_k must be -1 (disabled) or >= 1, got {self.top_k!r}")
