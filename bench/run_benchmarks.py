@@ -554,6 +554,10 @@ def part_roofline(run: Run) -> str:
     matmuls = ", ".join(f"{'x'.join(map(str, m['shape']))}: {m['flops'] / 1e12:.3f}"
                         for m in data["matmuls"])
     floors = data.get("floor_dtype", p.dtype)
+    # Runs before session 38's measured the bandwidth once, before isoserve's steps.
+    runs = bw.get("runs", [])
+    bandwidth_runs = ("; the best of a measurement before isoserve's steps and one after them, "
+                      + " and ".join(f"{run['bytes_per_s'] / 1e9:.1f}" for run in runs) + " GB/s") if runs else ""
     int8_rate = ""
     if data.get("int8_peak_ops"):
         int8_rate = (" int8 `torch._int_mm` (oneDNN, int8 x int8 -> int32, no scales) at best "
@@ -565,7 +569,7 @@ def part_roofline(run: Run) -> str:
             f"m x k x n: {matmuls}); memory bandwidth **{bw['bytes_per_s'] / 1e9:.1f} GB/s** (the "
             f"better of `.sum()` over a {bw['bytes'] / 2**20:.0f} MiB float32 tensor, "
             f"{bw['read_bytes_per_s'] / 1e9:.1f} GB/s, and copying it, "
-            f"{bw['copy_bytes_per_s'] / 1e9:.1f} GB/s read + write).{int8_rate}\n\n"
+            f"{bw['copy_bytes_per_s'] / 1e9:.1f} GB/s read + write{bandwidth_runs}).{int8_rate}\n\n"
             f"{p.model} {p.isoserve_dtypes}: {costs['parameters'] / 1e6:.1f} M parameters, "
             f"{costs['matmul_parameters'] / 1e6:.1f} M of them in the matmuls of a decode step "
             f"({tied}), {costs['weight_bytes'] / 1e6:.1f} MB of "

@@ -28,6 +28,9 @@ def test_roofline_reports_every_field(tiny_llama_dir, tmp_path, capsys):
     data = json.loads(out.read_text())
     assert data["floor_dtype"] == dtype_name("auto")  # the CPU's native dtype, as issue 6 counts floors
     assert data["peak_flops"] > 0 and data["bandwidth"]["bytes_per_s"] > 0
+    # Measured before and after the steps; the better of the two sets the floors.
+    runs = data["bandwidth"]["runs"]
+    assert len(runs) == 2 and data["bandwidth"]["bytes_per_s"] == max(run["bytes_per_s"] for run in runs)
     assert data["matmuls"] and all(m["flops"] > 0 for m in data["matmuls"])
     # This torch multiplies int8 on the CPU (torch._int_mm), so every row has an int8 floor.
     assert data["int8_peak_ops"] > 0 and len(data["int8_matmuls"]) == len(data["matmuls"])
@@ -40,6 +43,7 @@ def test_roofline_reports_every_field(tiny_llama_dir, tmp_path, capsys):
                     "measured_s", "measured_over_ideal", "measured_over_memory_floor"):
             assert row[key] > 0, key
         assert row["ideal_s"] == max(row["memory_floor_s"], row["compute_floor_s"])
+        assert row["memory_floor_s"] == pytest.approx(row["bytes"] / data["bandwidth"]["bytes_per_s"])
         matmul_flops = row["batch"] * 2 * costs["matmul_parameters"]
         assert row["int8_compute_floor_s"] == pytest.approx(
             matmul_flops / data["int8_peak_ops"] + (row["flops"] - matmul_flops) / data["peak_flops"])
