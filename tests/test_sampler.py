@@ -19,6 +19,7 @@ from isoserve.engine.sampler import BLOCK, TOP_K_WIDTHS, sample
 from isoserve.kernels import cpu_ops
 from isoserve.engine.sampling_params import SamplingParams
 from isoserve.engine.sequence import Sequence
+from tiny_models import HAS_AVX512  # kernels/draw.cpp is built exactly where the CPU has these
 
 DRAWS = 4000
 
@@ -38,15 +39,11 @@ def _draw_counts(logits: torch.Tensor, draws: int = DRAWS, draw=None, **params) 
     return torch.bincount(torch.tensor(tokens), minlength=logits.shape[-1])
 
 
-def _cpu_flags() -> set[str]:
-    return set(next(line for line in open("/proc/cpuinfo") if line.startswith("flags")).split())
-
-
 def test_the_draw_kernel_is_built_where_the_cpu_has_avx512():
     """kernels/draw.cpp is AVX-512 only (-march=native): elsewhere the sampler's torch ops draw
     the plain rows, and the kernel refuses to run rather than return nothing."""
     kernels = cpu_ops()
-    assert kernels.has_temperature_draw == ({"avx512f", "avx512bw"} <= _cpu_flags())
+    assert kernels.has_temperature_draw == HAS_AVX512
     if not kernels.has_temperature_draw:
         with pytest.raises(RuntimeError, match="AVX-512"):
             kernels.temperature_draw(torch.zeros(1, 4), torch.ones(1), torch.zeros(1, dtype=torch.float64))
@@ -58,7 +55,7 @@ def test_the_draw_kernel_is_built_where_the_cpu_has_avx512():
 
 
 # The plain rows' draw: the sampler's torch ops, and the CPU kernel where this CPU builds it.
-DRAW_PATHS = ["torch ops"] + (["kernel"] if {"avx512f", "avx512bw"} <= _cpu_flags() else [])
+DRAW_PATHS = ["torch ops"] + (["kernel"] if HAS_AVX512 else [])
 
 
 def _draw_path(name: str):

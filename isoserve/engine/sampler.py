@@ -166,7 +166,7 @@ def _draw(logits: torch.Tensor, seqs: list[Sequence], nucleus: Nucleus, draw: Dr
         if plain:
             plain.sort()
             tokens[plain] = _draw_plain(_select(logits, plain), [seqs[r] for r in plain], u[plain], draw)
-            rest = sorted(set(rest) - set(plain))
+            rest = list(set(rest) - set(plain))
     if rest:
         rest.sort()
         tokens[rest] = _draw_vocabulary(_select(logits, rest), [seqs[r] for r in rest], u[rest], nucleus)
