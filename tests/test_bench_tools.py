@@ -10,6 +10,7 @@ from pathlib import Path
 import pytest
 import torch
 
+from isoserve.bench import roofline
 from isoserve.cli import main as isoserve_main
 from isoserve.config import dtype_name
 
@@ -32,8 +33,15 @@ def test_roofline_reports_every_field(tiny_llama_dir, tmp_path, capsys):
     runs = data["bandwidth"]["runs"]
     assert len(runs) == 2 and data["bandwidth"]["bytes_per_s"] == max(run["bytes_per_s"] for run in runs)
     assert data["matmuls"] and all(m["flops"] > 0 for m in data["matmuls"])
-    # This torch multiplies int8 on the CPU (torch._int_mm), so every row has an int8 floor.
-    assert data["int8_peak_ops"] > 0 and len(data["int8_matmuls"]) == len(data["matmuls"])
+    # Where torch multiplies int8 with the CPU's byte dot products (AVX512-VNNI, AMX) every row
+    # has an int8 floor; elsewhere torch._int_mm is a plain loop and the floor is left out.
+    int8 = roofline.int8_matmul_unavailable() == ""
+    if int8:
+        assert data["int8_peak_ops"] > 0 and len(data["int8_matmuls"]) == len(data["matmuls"])
+        assert data["int8_unavailable"] == ""
+    else:
+        assert data["int8_peak_ops"] is None and data["int8_matmuls"] == []
+        assert "no fast path" in data["int8_unavailable"] and "int8 n/a" in printed
     costs = data["model_costs"]
     assert 0 < costs["matmul_parameters"] <= costs["parameters"]  # the tiny model is untied
     assert costs["weight_bytes"] > 0
@@ -45,9 +53,12 @@ def test_roofline_reports_every_field(tiny_llama_dir, tmp_path, capsys):
         assert row["ideal_s"] == max(row["memory_floor_s"], row["compute_floor_s"])
         assert row["memory_floor_s"] == pytest.approx(row["bytes"] / data["bandwidth"]["bytes_per_s"])
         matmul_flops = row["batch"] * 2 * costs["matmul_parameters"]
-        assert row["int8_compute_floor_s"] == pytest.approx(
-            matmul_flops / data["int8_peak_ops"] + (row["flops"] - matmul_flops) / data["peak_flops"])
-        assert row["measured_over_int8_floor"] == pytest.approx(row["measured_s"] / row["int8_compute_floor_s"])
+        if int8:
+            assert row["int8_compute_floor_s"] == pytest.approx(
+                matmul_flops / data["int8_peak_ops"] + (row["flops"] - matmul_flops) / data["peak_flops"])
+            assert row["measured_over_int8_floor"] == pytest.approx(row["measured_s"] / row["int8_compute_floor_s"])
+        else:
+            assert row["int8_compute_floor_s"] is None and row["measured_over_int8_floor"] is None
         assert row["isoserve"]["decode_steps"] >= 1
         assert row["isoserve"]["guard_seconds_median"] > 0 and 0 < row["isoserve"]["guard_share"] < 1
         # A safetensors model has no GGUF blocks: the step reads every weight in bfloat16.
@@ -55,6 +66,16 @@ def test_roofline_reports_every_field(tiny_llama_dir, tmp_path, capsys):
     one, two = data["results"]
     assert two["flops"] == pytest.approx(2 * one["flops"])  # FLOPs grow with the batch ...
     assert two["weight_bytes"] == one["weight_bytes"]        # ... the weights read do not
+
+
+def test_int8_floor_needs_byte_dot_products():
+    """The int8 floor is measured only where torch._int_mm has VNNI or AMX to run on; an AVX2
+    CPU's plain loop (0.005 TOP/s on a Zen 3) is no floor."""
+    assert roofline.int8_matmul_unavailable("avx avx2 fma f16c") != ""
+    assert "no fast path" in roofline.int8_matmul_unavailable("")
+    assert roofline.int8_matmul_unavailable("avx2 avx512f avx512bw avx512_vnni") == ""
+    assert roofline.int8_matmul_unavailable("avx2 amx_tile amx_int8") == ""
+    assert roofline.int8_matmul_unavailable("avx2 amx_tile amx_bf16") != ""  # AMX without its int8 part
 
 
 def test_weight_bytes_read_follow_the_tiers(tiny_checkpoint):

@@ -24,7 +24,9 @@ blocks where a quantized tier takes the batch (model/quantized.py). A third, the
 floor, puts the matmuls at torch._int_mm's best rate and attention at the float one: how fast a
 step's arithmetic could go in int8 on this CPU, before the GGUF formats' per-block scales (where
 the step runs int8 tiles, that floor is the one its matmuls answer to once the batch makes them
-compute-bound). The measured step is everything engine.step() does: scheduling, the guard, the
+compute-bound). It is left out (n/a) on a CPU with no byte dot product for torch to use
+(int8_matmul_unavailable): there torch._int_mm is a plain loop, 1/40 of float32's matmul on a Zen 3,
+the floor of nothing. The measured step is everything engine.step() does: scheduling, the guard, the
 forward, sampling and detokenization.
 """
 from __future__ import annotations
@@ -36,11 +38,14 @@ import time
 import torch
 
 from isoserve.bench.machine import layers_note, run_header
+from isoserve.kernels import cpu_features
 from isoserve.model.quantized import COMPANION_SUFFIXES
 
 SQUARE = 2048          # the large square matmul (n x n @ n x n)
 MATMUL_SECONDS = 0.2   # each shape is timed for at least this long
 BANDWIDTH_REPEATS = 5
+# The CPU instructions torch's int8 matmul multiplies bytes with (oneDNN's VNNI and AMX kernels).
+INT8_DOT_FLAGS = ("avx512_vnni", "amx_int8")
 
 
 # ---- the machine -------------------------------------------------------------------------------
@@ -67,6 +72,19 @@ def measure_flops(shapes: list[tuple[int, int, int]], dtype: torch.dtype = torch
             best = _best_seconds(lambda: torch.matmul(a, b, out=out), seconds)
             results.append({"shape": [m, k, n], "seconds": best, "flops": 2 * m * k * n / best})
     return results
+
+
+def int8_matmul_unavailable(flags: str | None = None) -> str:
+    """'' where torch._int_mm runs on int8 dot-product instructions here, else why the roofline
+    leaves the int8 floor out. flags: the CPU's instruction flags (isoserve.kernels.cpu_features).
+    Without them torch multiplies int8 in a plain loop: 0.005 TOP/s on a Zen 3 (AVX2), where its
+    float32 matmul reached 0.18 TFLOP/s, which made isoserve's batch-32 step "0.02x" an int8
+    floor that nothing could reach (docs/benchmarks.md, session 39)."""
+    have = set((cpu_features() if flags is None else flags).split())
+    if have & set(INT8_DOT_FLAGS):
+        return ""
+    return ("torch's int8 matmul has no fast path on this CPU (neither AVX512-VNNI nor AMX: "
+            "torch._int_mm runs a plain loop)")
 
 
 def measure_int8_ops(shapes: list[tuple[int, int, int]], seconds: float = MATMUL_SECONDS) -> list[dict]:
@@ -252,10 +270,14 @@ def run_roofline(args) -> dict:
     bar.update()
 
     bar.set_postfix_str("int8 matmul ops/s")
-    int8_matmuls = measure_int8_ops(shapes)
-    int8_peak = max(m["ops"] for m in int8_matmuls)
-    bar.write(f"int8 matmul (torch._int_mm): best {int8_peak / 1e12:.3f} TOP/s; "
-              + ", ".join(f"{'x'.join(map(str, m['shape']))} {m['ops'] / 1e9:.0f} GOP/s" for m in int8_matmuls))
+    int8_missing = int8_matmul_unavailable()
+    int8_matmuls = [] if int8_missing else measure_int8_ops(shapes)
+    int8_peak = max(m["ops"] for m in int8_matmuls) if int8_matmuls else None
+    if int8_peak is None:
+        bar.write(f"int8 matmul: not measured, no int8 floor: {int8_missing}")
+    else:
+        bar.write(f"int8 matmul (torch._int_mm): best {int8_peak / 1e12:.3f} TOP/s; "
+                  + ", ".join(f"{'x'.join(map(str, m['shape']))} {m['ops'] / 1e9:.0f} GOP/s" for m in int8_matmuls))
     bar.update()
 
     bar.set_postfix_str("memory bandwidth")
@@ -296,7 +318,7 @@ def run_roofline(args) -> dict:
         ideal = max(memory_floor, compute_floor)
         # The matmuls at the int8 rate, attention (float) at the float one.
         matmul_flops = batch * 2 * costs["matmul_parameters"]
-        int8_floor = matmul_flops / int8_peak + (flops - matmul_flops) / peak
+        int8_floor = None if int8_peak is None else matmul_flops / int8_peak + (flops - matmul_flops) / peak
         measured = steps[batch]
         step = measured["step_seconds_median"]
         kv_bytes = nbytes - costs["weight_bytes"]
@@ -311,7 +333,7 @@ def run_roofline(args) -> dict:
                "read_weight_bytes": read, "read_floor_s": read_floor,
                "measured_over_read_floor": step / read_floor,
                "int8_compute_floor_s": int8_floor,
-               "measured_over_int8_floor": step / int8_floor,
+               "measured_over_int8_floor": None if int8_floor is None else step / int8_floor,
                "measured_tokens_per_s": batch / step, "ideal_tokens_per_s": batch / ideal,
                "isoserve": measured}
         rows.append(row)
@@ -320,7 +342,7 @@ def run_roofline(args) -> dict:
     bar.close()
     return {**run_header(args, model), "floor_dtype": dtype_name(floor_dtype), "context_tokens": context,
             "peak_flops": peak, "matmuls": matmuls, "int8_peak_ops": int8_peak,
-            "int8_matmuls": int8_matmuls, "bandwidth": bw, "model_costs": costs,
+            "int8_matmuls": int8_matmuls, "int8_unavailable": int8_missing, "bandwidth": bw, "model_costs": costs,
             "results": rows}
 
 
@@ -330,6 +352,14 @@ HEADERS = ["batch", "weight MB", "KV MB", "GFLOP/step", "memory floor ms", "comp
            "int8 compute floor ms", "isoserve / int8 floor", "read guard ms", "read guard share"]
 
 
+def _ms(seconds: float | None) -> str:
+    return "n/a" if seconds is None else f"{seconds * 1e3:.2f}"
+
+
+def _times(ratio: float | None) -> str:
+    return "n/a" if ratio is None else f"{ratio:.2f}x"
+
+
 def cells(row: dict) -> list[str]:
     return [str(row["batch"]), f"{row['weight_bytes'] / 1e6:.1f}", f"{row['kv_bytes'] / 1e6:.1f}",
             f"{row['flops'] / 1e9:.2f}", f"{row['memory_floor_s'] * 1e3:.2f}",
@@ -337,17 +367,17 @@ def cells(row: dict) -> list[str]:
             f"{row['measured_s'] * 1e3:.2f}", f"{row['measured_over_ideal']:.2f}x",
             f"{row['measured_over_memory_floor']:.2f}x", f"{row['read_weight_bytes'] / 1e6:.1f}",
             f"{row['read_floor_s'] * 1e3:.2f}", f"{row['measured_over_read_floor']:.2f}x",
-            f"{row['int8_compute_floor_s'] * 1e3:.2f}", f"{row['measured_over_int8_floor']:.2f}x",
+            _ms(row["int8_compute_floor_s"]), _times(row["measured_over_int8_floor"]),
             f"{row['isoserve']['guard_seconds_median'] * 1e3:.3f}", f"{row['isoserve']['guard_share']:.2%}"]
 
 
 def table(run: dict) -> str:
     widths = [max(len(h), 8) for h in HEADERS]
     floors = run.get("floor_dtype", run["dtype"])
+    int8 = "n/a" if run["int8_peak_ops"] is None else f"{run['int8_peak_ops'] / 1e12:.3f} TOP/s"
     lines = [f"== roofline: {run['model']} {run['dtype']}, {run['torch_threads']} threads{layers_note(run)}; "
              f"floors in {floors}: {run['peak_flops'] / 1e12:.3f} TFLOP/s, "
-             f"{run['bandwidth']['bytes_per_s'] / 1e9:.1f} GB/s; "
-             f"int8 {run['int8_peak_ops'] / 1e12:.3f} TOP/s; "
+             f"{run['bandwidth']['bytes_per_s'] / 1e9:.1f} GB/s; int8 {int8}; "
              f"context {run['context_tokens']:.0f} tokens ==",
              " ".join(h.rjust(w) for h, w in zip(HEADERS, widths))]
     lines += [" ".join(c.rjust(w) for c, w in zip(cells(r), widths)) for r in run["results"]]
