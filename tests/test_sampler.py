@@ -19,7 +19,10 @@ from isoserve.engine.sampler import BLOCK, TOP_K_WIDTHS, sample
 from isoserve.kernels import cpu_ops
 from isoserve.engine.sampling_params import SamplingParams
 from isoserve.engine.sequence import Sequence
-from tiny_models import HAS_AVX512  # kernels/draw.cpp is built exactly where the CPU has these
+from tiny_models import HAS_AVX2, HAS_AVX512
+
+# kernels/draw.cpp is built exactly where the CPU has AVX-512 (16 lanes) or AVX2 and FMA (8)
+HAS_DRAW = HAS_AVX512 or HAS_AVX2
 
 DRAWS = 4000
 
@@ -39,13 +42,13 @@ def _draw_counts(logits: torch.Tensor, draws: int = DRAWS, draw=None, **params) 
     return torch.bincount(torch.tensor(tokens), minlength=logits.shape[-1])
 
 
-def test_the_draw_kernel_is_built_where_the_cpu_has_avx512():
-    """kernels/draw.cpp is AVX-512 only (-march=native): elsewhere the sampler's torch ops draw
-    the plain rows, and the kernel refuses to run rather than return nothing."""
+def test_the_draw_kernel_is_built_where_the_cpu_has_avx512_or_avx2():
+    """kernels/draw.cpp needs AVX-512, or AVX2 and FMA (-march=native): elsewhere the sampler's
+    torch ops draw the plain rows, and the kernel refuses to run rather than return nothing."""
     kernels = cpu_ops()
-    assert kernels.has_temperature_draw == HAS_AVX512
+    assert kernels.has_temperature_draw == HAS_DRAW
     if not kernels.has_temperature_draw:
-        with pytest.raises(RuntimeError, match="AVX-512"):
+        with pytest.raises(RuntimeError, match="AVX2 and FMA or AVX-512"):
             kernels.temperature_draw(torch.zeros(1, 4), torch.ones(1), torch.zeros(1, dtype=torch.float64))
     else:  # what the sampler never passes is refused, not drawn from
         with pytest.raises(RuntimeError, match="temperature is not positive"):
@@ -55,7 +58,7 @@ def test_the_draw_kernel_is_built_where_the_cpu_has_avx512():
 
 
 # The plain rows' draw: the sampler's torch ops, and the CPU kernel where this CPU builds it.
-DRAW_PATHS = ["torch ops"] + (["kernel"] if HAS_AVX512 else [])
+DRAW_PATHS = ["torch ops"] + (["kernel"] if HAS_DRAW else [])
 
 
 def _draw_path(name: str):

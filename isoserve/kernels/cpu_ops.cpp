@@ -1025,8 +1025,8 @@ PYBIND11_MODULE(TORCH_EXTENSION_NAME, m) {
   m.def("argmax_rows", &argmax_rows, "each row's first index of its maximum, as torch.argmax");
   m.def("nucleus_rows", &nucleus_rows, "each row's probabilities inside its top-p nucleus, 0 outside",
         py::arg("probs"), py::arg("top_p"));
-#if ISOSERVE_BF16X16
-  m.attr("has_temperature_draw") = true;  // draw.cpp is AVX-512 only; elsewhere the sampler's torch ops
+#if ISOSERVE_BF16X16 || ISOSERVE_AVX2_FMA
+  m.attr("has_temperature_draw") = true;  // draw.cpp: AVX-512 or AVX2; elsewhere the sampler's torch ops
 #else
   m.attr("has_temperature_draw") = false;
 #endif

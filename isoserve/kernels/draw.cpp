@@ -14,12 +14,17 @@
 //
 // The same draw as the sampler's torch path (a running sum of the weights, in two levels, and
 // the first position whose sum exceeds u times the total), from weights that are not the same
-// bits: exp16's polynomial against torch's, and w unnormalised where the softmax divides by
+// bits: exp16's (exp8's) polynomial against torch's, and w unnormalised where the softmax divides by
 // its sum; and the blocks summed in float64, where the torch ops sum them in float32 (a
 // float64 sum there cost ~0.6 ms more for 32 rows). A draw whose target falls within those
 // roundings (~1e-7 of the total) of a boundary between two tokens can take the other one;
 // tests/test_sampler.py counts how rarely. A weight below e^-87 (a
 // probability under ~1e-38 of the row's largest) is 0 here, never drawn, as a -inf logit is.
+//
+// Written once over a vector's lanes (the Lanes structs below): 16 with AVX-512, 8 with AVX2
+// and FMA (an AMD Zen 3, where isoserve runs float32 and the torch ops took ~2.2 ms of a
+// ~45 ms batch-32 step). Only the widths differ: the same passes, the same float64 blocks, so
+// the same draw up to the roundings above.
 #include <torch/extension.h>
 #include <ATen/Parallel.h>
 
@@ -31,43 +36,106 @@
 #include <vector>
 
 #include "bf16x16.h"
+#include "f32x8.h"
 
-#if ISOSERVE_BF16X16
+#if ISOSERVE_BF16X16 || ISOSERVE_AVX2_FMA
 
 namespace {
 
 constexpr int64_t kBlock = 256;  // engine/sampler.py's BLOCK
-constexpr int64_t kLanes = 16;
 
-// 16 logits from j on (fewer where the row ends: the rest come as -inf, weight 0), over T.
-inline __m512 scaled16(const float* x, int64_t j, int64_t n, __m512 temperature) {
-  const int64_t left = n - j;
-  const __mmask16 valid = left >= kLanes ? __mmask16(0xFFFF) : __mmask16((1u << left) - 1);
-  const __m512 v = _mm512_mask_loadu_ps(_mm512_set1_ps(-INFINITY), valid, x + j);
-  return _mm512_div_ps(v, temperature);
-}
+#if ISOSERVE_BF16X16
+// 16 lanes: masked loads, compares into mask registers.
+struct Lanes16 {
+  using F = __m512;
+  using D = __m512d;
+  static constexpr int64_t kLanes = 16;
+  // kLanes logits from j on (fewer where the row ends: the rest come as -inf, weight 0), over T.
+  static F scaled(const float* x, int64_t j, int64_t n, F temperature) {
+    const int64_t left = n - j;
+    const __mmask16 valid = left >= kLanes ? __mmask16(0xFFFF) : __mmask16((1u << left) - 1);
+    return _mm512_div_ps(_mm512_mask_loadu_ps(_mm512_set1_ps(-INFINITY), valid, x + j), temperature);
+  }
+  static F set1(float v) { return _mm512_set1_ps(v); }
+  static F max(F a, F b) { return _mm512_max_ps(a, b); }
+  static bool any_nan(F s) { return _mm512_cmp_ps_mask(s, s, _CMP_UNORD_Q) != 0; }
+  static float reduce_max(F v) { return _mm512_reduce_max_ps(v); }
+  // exp(s - m), 0 under e^-87, where exp16 would clamp to e^-87 instead (a -inf logit then
+  // stays a weight of 0).
+  static F weights(F s, F m) {
+    const F d = _mm512_sub_ps(s, m);
+    return _mm512_maskz_mov_ps(_mm512_cmp_ps_mask(d, _mm512_set1_ps(-87.0f), _CMP_GE_OQ), isoserve::exp16(d));
+  }
+  static D zero() { return _mm512_setzero_pd(); }
+  // The low and the high half of w, widened to float64, added to low and high.
+  static void add(D& low, D& high, F w) {
+    low = _mm512_add_pd(low, _mm512_cvtps_pd(_mm512_castps512_ps256(w)));
+    high = _mm512_add_pd(high, _mm512_cvtps_pd(_mm256_castpd_ps(_mm512_extractf64x4_pd(_mm512_castps_pd(w), 1))));
+  }
+  static double reduce_add(D low, D high) { return _mm512_reduce_add_pd(_mm512_add_pd(low, high)); }
+  static void store(float* p, F v) { _mm512_store_ps(p, v); }
+};
+#endif
 
-// The weights of 16 scaled logits below the row's maximum m: exp(s - m), 0 under e^-87, where
-// exp16 would clamp to e^-87 instead (a -inf logit then stays a weight of 0).
-inline __m512 weights16(__m512 s, __m512 m) {
-  const __m512 d = _mm512_sub_ps(s, m);
-  return _mm512_maskz_mov_ps(_mm512_cmp_ps_mask(d, _mm512_set1_ps(-87.0f), _CMP_GE_OQ), isoserve::exp16(d));
-}
+#if ISOSERVE_AVX2_FMA
+// 8 lanes: a row's last partial vector goes through a small -inf-filled buffer (AVX2 has no
+// masked load that fills with anything but 0).
+struct Lanes8 {
+  using F = __m256;
+  using D = __m256d;
+  static constexpr int64_t kLanes = 8;
+  static F scaled(const float* x, int64_t j, int64_t n, F temperature) {
+    const int64_t left = n - j;
+    if (left >= kLanes) return _mm256_div_ps(_mm256_loadu_ps(x + j), temperature);
+    alignas(32) float tail[kLanes];
+    for (int64_t i = 0; i < kLanes; ++i) tail[i] = i < left ? x[j + i] : -INFINITY;
+    return _mm256_div_ps(_mm256_load_ps(tail), temperature);
+  }
+  static F set1(float v) { return _mm256_set1_ps(v); }
+  static F max(F a, F b) { return _mm256_max_ps(a, b); }
+  static bool any_nan(F s) { return _mm256_movemask_ps(_mm256_cmp_ps(s, s, _CMP_UNORD_Q)) != 0; }
+  static float reduce_max(F v) { return isoserve::max_lanes8(v); }
+  static F weights(F s, F m) {
+    const F d = _mm256_sub_ps(s, m);
+    return _mm256_and_ps(_mm256_cmp_ps(d, _mm256_set1_ps(-87.0f), _CMP_GE_OQ), isoserve::exp8(d));
+  }
+  static D zero() { return _mm256_setzero_pd(); }
+  static void add(D& low, D& high, F w) {
+    low = _mm256_add_pd(low, _mm256_cvtps_pd(_mm256_castps256_ps128(w)));
+    high = _mm256_add_pd(high, _mm256_cvtps_pd(_mm256_extractf128_ps(w, 1)));
+  }
+  static double reduce_add(D low, D high) {
+    const __m256d both = _mm256_add_pd(low, high);
+    const __m128d half = _mm_add_pd(_mm256_castpd256_pd128(both), _mm256_extractf128_pd(both, 1));
+    return _mm_cvtsd_f64(_mm_add_sd(half, _mm_unpackhi_pd(half, half)));
+  }
+  static void store(float* p, F v) { _mm256_store_ps(p, v); }
+};
+#endif
+
+// The widest this CPU has (the library is built for the CPU it runs on).
+#if ISOSERVE_BF16X16
+using RowLanes = Lanes16;
+#else
+using RowLanes = Lanes8;
+#endif
 
 // One row's token, or -1 where the row is no distribution (a NaN, a +inf, or every logit -inf
 // once scaled). ends: the thread's scratch, a float64 per block.
+template <typename L>
 int64_t draw_row(const float* x, int64_t n, float temperature, double u, std::vector<double>& ends) {
-  const __m512 t = _mm512_set1_ps(temperature);
-  __m512 top = _mm512_set1_ps(-INFINITY);
-  __mmask16 nan = 0;
-  for (int64_t j = 0; j < n; j += kLanes) {
-    const __m512 s = scaled16(x, j, n, t);
-    nan |= _mm512_cmp_ps_mask(s, s, _CMP_UNORD_Q);
-    top = _mm512_max_ps(top, s);
+  using F = typename L::F;
+  const F t = L::set1(temperature);
+  F top = L::set1(-INFINITY);
+  bool nan = false;
+  for (int64_t j = 0; j < n; j += L::kLanes) {
+    const F s = L::scaled(x, j, n, t);
+    nan |= L::any_nan(s);
+    top = L::max(top, s);
   }
-  const float m = _mm512_reduce_max_ps(top);
+  const float m = L::reduce_max(top);
   if (nan || std::isinf(m)) return -1;
-  const __m512 mv = _mm512_set1_ps(m);
+  const F mv = L::set1(m);
 
   const int64_t blocks = (n + kBlock - 1) / kBlock;
   ends.resize(blocks);
@@ -76,13 +144,10 @@ int64_t draw_row(const float* x, int64_t n, float temperature, double u, std::ve
     // In float64: a block's sum then differs from the running sum of its tokens below (the same
     // float32 weights in another order) by ~1e-16 of the total, not by float32's ~1e-7, which
     // moved about one draw in 10^4 to a neighbouring token.
-    __m512d low = _mm512_setzero_pd(), high = _mm512_setzero_pd();
-    for (int64_t j = b * kBlock; j < std::min(n, (b + 1) * kBlock); j += kLanes) {
-      const __m512 w = weights16(scaled16(x, j, n, t), mv);
-      low = _mm512_add_pd(low, _mm512_cvtps_pd(_mm512_castps512_ps256(w)));
-      high = _mm512_add_pd(high, _mm512_cvtps_pd(_mm256_castpd_ps(_mm512_extractf64x4_pd(_mm512_castps_pd(w), 1))));
-    }
-    total += _mm512_reduce_add_pd(_mm512_add_pd(low, high));
+    typename L::D low = L::zero(), high = L::zero();
+    for (int64_t j = b * kBlock; j < std::min(n, (b + 1) * kBlock); j += L::kLanes)
+      L::add(low, high, L::weights(L::scaled(x, j, n, t), mv));
+    total += L::reduce_add(low, high);
     ends[b] = total;  // the mass up to this block's end
   }
   // total >= 1 (the maximum's own weight is exp(0)), and u < 1 keeps u * total below it in
@@ -93,7 +158,7 @@ int64_t draw_row(const float* x, int64_t n, float temperature, double u, std::ve
   if (block == blocks) return -1;  // cannot happen (above); refused rather than guessed
   const int64_t first = block * kBlock, last = std::min(n, first + kBlock);
   alignas(64) float w[kBlock];
-  for (int64_t j = first; j < last; j += kLanes) _mm512_store_ps(w + (j - first), weights16(scaled16(x, j, n, t), mv));
+  for (int64_t j = first; j < last; j += L::kLanes) L::store(w + (j - first), L::weights(L::scaled(x, j, n, t), mv));
   double running = block > 0 ? ends[block - 1] : 0.0;
   int64_t chosen = -1;
   for (int64_t j = first; j < last; ++j) {
@@ -101,7 +166,7 @@ int64_t draw_row(const float* x, int64_t n, float temperature, double u, std::ve
     running += static_cast<double>(w[j - first]);
     if (running > target) return j;  // a weight of 0 never gets here first
   }
-  // The block's sum (8 lanes, then across them) and this running sum rounded apart, by ~1e-16:
+  // The block's sum (by lanes, then across them) and this running sum rounded apart, by ~1e-16:
   // the block's last token of positive weight.
   return chosen;
 }
@@ -130,7 +195,7 @@ torch::Tensor temperature_draw(const torch::Tensor& logits, const torch::Tensor&
   int64_t* out = tokens.data_ptr<int64_t>();
   at::parallel_for(0, rows, 1, [&](int64_t begin, int64_t end) {
     std::vector<double> ends;
-    for (int64_t r = begin; r < end; ++r) out[r] = draw_row(x + r * n, n, t[r], uniform[r], ends);
+    for (int64_t r = begin; r < end; ++r) out[r] = draw_row<RowLanes>(x + r * n, n, t[r], uniform[r], ends);
   });
   return tokens;
 }
@@ -138,7 +203,7 @@ torch::Tensor temperature_draw(const torch::Tensor& logits, const torch::Tensor&
 #else
 
 torch::Tensor temperature_draw(const torch::Tensor&, const torch::Tensor&, const torch::Tensor&) {
-  TORCH_CHECK(false, "temperature_draw needs AVX-512 (has_temperature_draw is False here)");
+  TORCH_CHECK(false, "temperature_draw needs AVX2 and FMA or AVX-512 (has_temperature_draw is False here)");
   return {};
 }
 

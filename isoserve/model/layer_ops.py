@@ -13,7 +13,7 @@
                   is built, the reference engine/nucleus.py with --no-fused-kernels or
                   where nothing is built)
   draw            a token from each row of softmax(logits / temperature), for the rows
-                  with neither top-k nor top-p (kernels/draw.cpp, on the CPU, with AVX-512;
+                  with neither top-k nor top-p (kernels/draw.cpp, on the CPU, with AVX-512 or AVX2;
                   None: the sampler's torch ops, the reference)
 
 `TorchOps` runs them as torch ops; it is the reference. `FusedOps` runs each as one call into
@@ -185,7 +185,7 @@ class FusedOps:
 
 
 def cpu_draw(kernels):
-    """The CPU kernel's temperature draw where it was built (AVX-512), else None."""
+    """The CPU kernel's temperature draw where it was built (AVX-512, or AVX2 with FMA), else None."""
     return kernels.temperature_draw if kernels.has_temperature_draw else None
 
 
