@@ -65,9 +65,10 @@ void key_masses(const float* p, int64_t n, double* from_top, Scratch& scratch) {
 }
 
 // out[j] = p[j] where p[j]'s key is above the edge, else 0; the positions of the edge's tokens,
-// in order, into edge_tokens. With AVX-512, 16 at a time: the edge holds a few dozen of a row's
-// tokens, so a vector that holds none (nearly all) costs a compare and a masked move (5 against
-// 40 us a row on a Zen 4).
+// in order, into edge_tokens. In vectors, 16 at a time with AVX-512 and 8 with AVX2: the edge
+// holds a few dozen of a row's tokens, so a vector that holds none (nearly all) costs a compare
+// and a masked move (5 against 40 us a row on a Zen 4). Keys are at most kKeys - 1, so the
+// signed compares see them as they are.
 void keep_above(const float* p, int64_t n, int edge, float* out, std::vector<std::pair<float, int64_t>>& edge_tokens) {
   edge_tokens.clear();
   int64_t j = 0;
@@ -78,6 +79,18 @@ void keep_above(const float* p, int64_t n, int edge, float* out, std::vector<std
     const __m512i keys = _mm512_and_si512(_mm512_srli_epi32(_mm512_castps_si512(v), kKeyShift), mask);
     _mm512_storeu_ps(out + j, _mm512_maskz_mov_ps(_mm512_cmpgt_epi32_mask(keys, at_edge), v));
     for (__mmask16 hits = _mm512_cmpeq_epi32_mask(keys, at_edge); hits; hits &= hits - 1) {
+      const int64_t at = j + __builtin_ctz(hits);
+      edge_tokens.emplace_back(p[at], at);
+    }
+  }
+#elif defined(__AVX2__)
+  const __m256i mask = _mm256_set1_epi32(kKeys - 1), at_edge = _mm256_set1_epi32(edge);
+  for (; j + 8 <= n; j += 8) {
+    const __m256 v = _mm256_loadu_ps(p + j);
+    const __m256i keys = _mm256_and_si256(_mm256_srli_epi32(_mm256_castps_si256(v), kKeyShift), mask);
+    _mm256_storeu_ps(out + j, _mm256_and_ps(_mm256_castsi256_ps(_mm256_cmpgt_epi32(keys, at_edge)), v));
+    for (unsigned hits = static_cast<unsigned>(_mm256_movemask_ps(_mm256_castsi256_ps(_mm256_cmpeq_epi32(keys, at_edge))));
+         hits; hits &= hits - 1) {
       const int64_t at = j + __builtin_ctz(hits);
       edge_tokens.emplace_back(p[at], at);
     }
