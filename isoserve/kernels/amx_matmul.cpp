@@ -260,7 +260,8 @@ torch::Tensor q4_1_swiglu(const torch::Tensor& x, const torch::Tensor& blocks, i
 #if ISOSERVE_BF16X16
   return amx_linear<Q4_1, Epilogue::kSwiglu>(x, blocks, out_features, "q4_1_swiglu");
 #else
-  TORCH_CHECK(false, "q4_1_swiglu: these kernels were built without AVX-512");
+  // Refused as the other AMX calls are, by their reason (amx_status says these kernels lack AVX-512).
+  TORCH_CHECK(false, "q4_1_swiglu needs AMX: ", amx_status());
 #endif
 }
 
