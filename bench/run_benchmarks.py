@@ -557,13 +557,17 @@ def part_roofline(run: Run) -> str:
     bandwidth_runs = ("; the best of a measurement before isoserve's steps and one after them, "
                       + " and ".join(f"{run['bytes_per_s'] / 1e9:.1f}" for run in bw["runs"]) + " GB/s")
     if data.get("int8_peak_ops") is None:
-        int8_rate = (f" No int8 compute floor (n/a below): {data['int8_unavailable']}; its rate there "
-                     "is the floor of nothing.")
+        why = data.get("int8_unavailable") or "torch._int_mm was not measured"
+        int8_rate = f" No int8 compute floor (n/a below): {why}; its rate there is the floor of nothing."
     else:
         int8_rate = (" int8 `torch._int_mm` (int8 x int8 -> int32, no scales) at best "
                      f"**{data['int8_peak_ops'] / 1e12:.3f} TOP/s** ("
                      + ", ".join(f"{'x'.join(map(str, m['shape']))}: {m['ops'] / 1e12:.3f}"
                                  for m in data["int8_matmuls"]) + ").")
+    int8_floor = ("" if data.get("int8_peak_ops") is None else
+                  f" The int8 compute floor puts the matmuls at the int8 rate and attention at the "
+                  f"{floors} one: a measured reference for the step's arithmetic in int8 with no "
+                  f"per-block scales, which the GGUF formats' int8 tiles add float work to.")
     body = (f"This machine, measured in the same run: {floors} `torch.matmul` at best "
             f"**{data['peak_flops'] / 1e12:.3f} TFLOP/s** (TFLOP/s per [m, k] x [k, n] shape, "
             f"m x k x n: {matmuls}); memory bandwidth **{bw['bytes_per_s'] / 1e9:.1f} GB/s** (the "
@@ -587,9 +591,7 @@ def part_roofline(run: Run) -> str:
             f"(issue 6 counts them in bfloat16, native on the CPU it was set on); \"weights it reads\" are the forms "
             f"the step takes at that batch (the GGUF's Q4_1 and Q8_0 blocks where a quantized "
             f"tier covers it, model/quantized.py), and \"their floor\" is those bytes plus the KV "
-            f"over the bandwidth. The int8 compute floor puts the matmuls at the int8 rate and "
-            f"attention at the {floors} one: a measured reference for the step's arithmetic in int8 "
-            f"with no per-block scales, which the GGUF formats' int8 tiles add float work to.\n\n" + md_table(roofline.HEADERS, [roofline.cells(r) for r in data["results"]]))
+            f"over the bandwidth.{int8_floor}\n\n" + md_table(roofline.HEADERS, [roofline.cells(r) for r in data["results"]]))
     return section("Roofline: ideal vs measured decode step (issue 6)", run, [run.show(cmd)], body)
 
 

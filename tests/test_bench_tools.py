@@ -78,6 +78,27 @@ def test_int8_floor_needs_byte_dot_products():
     assert roofline.int8_matmul_unavailable("avx2 amx_tile amx_bf16") != ""  # AMX without its int8 part
 
 
+def test_the_roofline_table_shows_a_missing_int8_floor_as_na():
+    """Where the int8 floor is left out (a CPU without VNNI or AMX), the table says n/a in its
+    columns and its title; where it was measured, it shows the figures."""
+    row = {"batch": 32, "weight_bytes": 538e6, "kv_bytes": 121e6, "flops": 9e9, "memory_floor_s": 0.018,
+           "compute_floor_s": 0.05, "ideal_s": 0.05, "measured_s": 0.045, "measured_over_ideal": 0.9,
+           "measured_over_memory_floor": 2.5, "read_weight_bytes": 111.6e6, "read_floor_s": 0.0064,
+           "measured_over_read_floor": 7.0, "int8_compute_floor_s": None, "measured_over_int8_floor": None,
+           "isoserve": {"guard_seconds_median": 8e-5, "guard_share": 0.0018}}
+    run = {"model": "m", "dtype": "float32", "torch_threads": 2, "peak_flops": 1.8e11,
+           "bandwidth": {"bytes_per_s": 3.6e10}, "int8_peak_ops": None, "context_tokens": 164, "results": [row]}
+    cells = roofline.cells(row)
+    assert cells[roofline.HEADERS.index("int8 compute floor ms")] == "n/a"
+    assert cells[roofline.HEADERS.index("isoserve / int8 floor")] == "n/a"
+    assert "int8 n/a;" in roofline.table(run)
+    measured = {**row, "int8_compute_floor_s": 0.0107, "measured_over_int8_floor": 4.2}
+    cells = roofline.cells(measured)
+    assert cells[roofline.HEADERS.index("int8 compute floor ms")] == "10.70"
+    assert cells[roofline.HEADERS.index("isoserve / int8 floor")] == "4.20x"
+    assert "int8 0.880 TOP/s;" in roofline.table({**run, "int8_peak_ops": 8.8e11, "results": [measured]})
+
+
 def test_weight_bytes_read_follow_the_tiers(tiny_checkpoint):
     # A Q4_1 file's projections are read as their 4-bit blocks where a tier takes the batch
     # (5 bits a weight), and in bfloat16 above: the floor of what the step reads.

@@ -260,8 +260,10 @@ torch::Tensor q4_1_swiglu(const torch::Tensor& x, const torch::Tensor& blocks, i
 #if ISOSERVE_BF16X16
   return amx_linear<Q4_1, Epilogue::kSwiglu>(x, blocks, out_features, "q4_1_swiglu");
 #else
-  // Refused as the other AMX calls are, by their reason (amx_status says these kernels lack AVX-512).
-  TORCH_CHECK(false, "q4_1_swiglu needs AMX: ", amx_status());
+  // Refused as the other AMX calls are ("needs AMX: why"). amx_status probes the CPU and the OS,
+  // not this build: on a CPU it finds fit, the reason is that -march left AVX-512 out.
+  TORCH_CHECK(false, "q4_1_swiglu needs AMX: ",
+              amx_status().empty() ? std::string("these kernels were built without AVX-512") : amx_status());
 #endif
 }
 
