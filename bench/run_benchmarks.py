@@ -556,18 +556,19 @@ def part_roofline(run: Run) -> str:
     floors = data.get("floor_dtype", p.dtype)
     bandwidth_runs = ("; the best of a measurement before isoserve's steps and one after them, "
                       + " and ".join(f"{run['bytes_per_s'] / 1e9:.1f}" for run in bw["runs"]) + " GB/s")
+    # The int8 rate, and what its floor means, where it was measured; else why there is none.
     if data.get("int8_peak_ops") is None:
         why = data.get("int8_unavailable") or "torch._int_mm was not measured"
         int8_rate = f" No int8 compute floor (n/a below): {why}; its rate there is the floor of nothing."
+        int8_floor = ""
     else:
         int8_rate = (" int8 `torch._int_mm` (int8 x int8 -> int32, no scales) at best "
                      f"**{data['int8_peak_ops'] / 1e12:.3f} TOP/s** ("
                      + ", ".join(f"{'x'.join(map(str, m['shape']))}: {m['ops'] / 1e12:.3f}"
                                  for m in data["int8_matmuls"]) + ").")
-    int8_floor = ("" if data.get("int8_peak_ops") is None else
-                  f" The int8 compute floor puts the matmuls at the int8 rate and attention at the "
-                  f"{floors} one: a measured reference for the step's arithmetic in int8 with no "
-                  f"per-block scales, which the GGUF formats' int8 tiles add float work to.")
+        int8_floor = (f" The int8 compute floor puts the matmuls at the int8 rate and attention at the "
+                      f"{floors} one: a measured reference for the step's arithmetic in int8 with no "
+                      f"per-block scales, which the GGUF formats' int8 tiles add float work to.")
     body = (f"This machine, measured in the same run: {floors} `torch.matmul` at best "
             f"**{data['peak_flops'] / 1e12:.3f} TFLOP/s** (TFLOP/s per [m, k] x [k, n] shape, "
             f"m x k x n: {matmuls}); memory bandwidth **{bw['bytes_per_s'] / 1e9:.1f} GB/s** (the "

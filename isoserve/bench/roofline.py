@@ -93,8 +93,8 @@ def measure_int8_ops(shapes: list[tuple[int, int, int]], seconds: float = MATMUL
     where they take the shape). A measured reference for a step's matmuls in int8 arithmetic,
     which the GGUF formats' per-block scales (float work every 32 products) add to, not a bound
     of the hardware. (torch >= 2.4, as pyproject.toml asks, has it on the CPU; where the CPU has
-    neither AVX512-VNNI nor AMX, torch runs it as a plain loop, pytorch#136942, and this is that
-    loop's rate.)"""
+    neither AVX512-VNNI nor AMX, torch runs it as a plain loop, pytorch#136942, and the roofline
+    does not call this: int8_matmul_unavailable.)"""
     results = []
     with torch.inference_mode():
         for m, k, n in shapes:
