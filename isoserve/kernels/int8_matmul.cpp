@@ -216,8 +216,9 @@ inline void tile(const int32_t* words, const float* scale, const float* sum, int
       for (int r = 0; r < R; ++r) block[h][r] = _mm256_setzero_si256();
     // The 8 groups unrolled, each sum kept in order (in_order): unrolled alone, gcc reassociates
     // each sum into a tree of 8 products and spills them; rolled, it copies every sum to another
-    // register each group. This is 8 vpmaddubsw and 8 adds a group and row pair and nothing more:
-    // a batch-32 step's Q4_1 tiles 1.22x as fast on a Zen 3 (docs/benchmarks.md, session 40).
+    // register each group. So a group is its weights' loads, R broadcasts, and H x R vpmaddubsw
+    // with their adds, nothing more: a batch-32 step's Q4_1 tiles 1.22x as fast on a Zen 3
+    // (docs/benchmarks.md, session 40).
 #pragma GCC unroll 8
     for (int g = 0; g < 8; ++g, words += R) {
       __m256i w[H][Format::kVectors];
