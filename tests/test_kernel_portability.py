@@ -18,6 +18,7 @@ import shutil
 import subprocess
 import sysconfig
 from concurrent.futures import ThreadPoolExecutor
+from functools import partial
 from pathlib import Path
 
 from torch.utils.cpp_extension import include_paths
@@ -27,31 +28,34 @@ from isoserve.kernels import CFLAGS, SOURCES
 LEVEL = "x86-64-v3"
 
 
-def _compiler_args() -> list[str]:
+def _compiler() -> list[str]:
+    """The compiler and the build's flags, -march=native replaced by LEVEL."""
     flags = [f"-march={LEVEL}" if flag == "-march=native" else flag for flag in CFLAGS]
     includes = [arg for path in include_paths() + [sysconfig.get_paths()["include"]] for arg in ("-isystem", path)]
-    return ["-std=c++20", *flags, *includes, "-DTORCH_EXTENSION_NAME=portability_check", "-DTORCH_API_INCLUDE_EXTENSION_H"]
+    return [shutil.which("c++") or "c++", "-std=c++20", *flags, *includes,
+            "-DTORCH_EXTENSION_NAME=portability_check", "-DTORCH_API_INCLUDE_EXTENSION_H"]
 
 
-def _precompile_torch_header(folder: Path) -> Path:
+def _precompile_torch_header(compiler: list[str], folder: Path) -> Path:
     """A header that includes torch's extension header, with its precompiled form beside it
     (gcc uses header.h.gch for `-include header.h` when the flags match, else parses header.h)."""
     header = folder / "torch_extension.h"
     header.write_text("#include <torch/extension.h>\n")
-    subprocess.run([shutil.which("c++") or "c++", "-x", "c++-header", *_compiler_args(), str(header),
-                    "-o", str(header) + ".gch"], capture_output=True, text=True)
+    subprocess.run([*compiler, "-x", "c++-header", str(header), "-o", str(header) + ".gch"],
+                   capture_output=True, text=True)
     return header
 
 
-def _check(source, header: Path) -> tuple[str, subprocess.CompletedProcess]:
-    command = [shutil.which("c++") or "c++", "-fsyntax-only", "-include", str(header), *_compiler_args(), str(source)]
+def _check(compiler: list[str], header: Path, source) -> tuple[str, subprocess.CompletedProcess]:
+    command = [*compiler, "-fsyntax-only", "-include", str(header), str(source)]
     return source.name, subprocess.run(command, capture_output=True, text=True)
 
 
 def test_kernels_compile_for_an_avx2_cpu_without_avx512(tmp_path):
     assert "-march=native" in CFLAGS  # the flag replaced above
-    header = _precompile_torch_header(tmp_path)
+    compiler = _compiler()
+    header = _precompile_torch_header(compiler, tmp_path)
     with ThreadPoolExecutor(max_workers=os.cpu_count() or 1) as pool:
-        results = list(pool.map(lambda source: _check(source, header), SOURCES))
+        results = list(pool.map(partial(_check, compiler, header), SOURCES))
     failed = {name: result.stderr[-3000:] for name, result in results if result.returncode != 0}
     assert not failed, f"kernel sources that do not compile for -march={LEVEL}: {failed}"
