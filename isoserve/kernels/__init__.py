@@ -1,6 +1,6 @@
 """Fused CPU kernels (cpu_ops.cpp, amx_matmul.cpp, amx_attention.cpp, vector_matmul.cpp,
 vector_attention.cpp, int8_matmul.cpp, f32_prefill_attention.cpp, decoder_stack.cpp,
-nucleus.cpp, draw.cpp), built with torch's C++ extension builder.
+nucleus.cpp, draw.cpp), bound to Python by module.cpp, built with torch's C++ extension builder.
 
 `make install` builds them once (`python -m isoserve.kernels`: ninja and the system C++
 compiler) into a folder named after a hash of the source, the flags and the torch version.
@@ -30,12 +30,15 @@ from isoserve.config import default_cache_dir
 
 log = logging.getLogger("isoserve.kernels")
 
-SOURCES = [Path(__file__).with_name(name) for name in ("cpu_ops.cpp", "amx_matmul.cpp", "amx_attention.cpp",
+# module.cpp first: its Python bindings make it the slowest source to compile, and ninja starts
+# the sources in this order.
+SOURCES = [Path(__file__).with_name(name) for name in ("module.cpp", "cpu_ops.cpp", "amx_matmul.cpp", "amx_attention.cpp",
                                                          "vector_matmul.cpp", "vector_attention.cpp", "int8_matmul.cpp",
                                                          "f32_prefill_attention.cpp", "decoder_stack.cpp",
                                                          "nucleus.cpp", "draw.cpp")]
-HEADERS = [Path(__file__).with_name(name) for name in ("amx.h", "bf16x16.h", "block_linear.h", "entry_points.h", "f32x8.h", "fp8.h",
-                                                         "line_prefetch.h", "page_reads.h", "prefill_chunks.h")]
+HEADERS = [Path(__file__).with_name(name) for name in ("amx.h", "bf16x16.h", "block_linear.h", "decoder_stack.h",
+                                                         "entry_points.h", "f32x8.h", "fp8.h", "line_prefetch.h",
+                                                         "page_reads.h", "prefill_chunks.h", "tensors.h")]
 # Native code for the CPU it is built on, minus AMX: a process must ask Linux for the tile state
 # before its first AMX instruction, or that instruction faults (as llama.cpp's does on these VMs:
 # bench/build_llama_server.sh). amx_matmul.cpp enables AMX for its own functions only, and runs

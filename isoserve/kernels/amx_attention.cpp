@@ -27,8 +27,7 @@
 // 16-key block holding its last key is copied with zeros after it, and its values are laid out
 // with zeros past the context (a zero probability times stale memory could still be NaN). Which
 // pages a chunk may read at all is the read guard's decision (kv/guard.py), made before the step.
-#include <torch/extension.h>
-#include <ATen/Parallel.h>
+#include "tensors.h"
 
 #include <algorithm>
 #include <cstring>
@@ -351,11 +350,11 @@ void attend_all(const uint16_t* kc, const uint16_t* vc, const uint16_t* q, uint1
 // `context` keys (its queries are the last `rows` of them).
 //   q, out: [T, heads, head_dim] bfloat16; caches [kv_heads, pages, page_size, head_dim];
 //   chunks [C, 3] (first row, rows, context); pages [C, width] (each chunk's page table).
-void prefill_attention(const torch::Tensor& q, const torch::Tensor& k_cache, const torch::Tensor& v_cache,
-                       const torch::Tensor& chunks, const torch::Tensor& pages, torch::Tensor& out,
+void prefill_attention(const at::Tensor& q, const at::Tensor& k_cache, const at::Tensor& v_cache,
+                       const at::Tensor& chunks, const at::Tensor& pages, at::Tensor& out,
                        double scale) {
   TORCH_CHECK(amx_status().empty(), "prefill_attention needs AMX: ", amx_status());
-  for (const torch::Tensor* t : {&q, &k_cache, &v_cache, static_cast<const torch::Tensor*>(&out)})
+  for (const at::Tensor* t : {&q, &k_cache, &v_cache, static_cast<const at::Tensor*>(&out)})
     TORCH_CHECK(t->device().is_cpu() && t->scalar_type() == at::kBFloat16 && t->is_contiguous(),
                 "prefill_attention takes contiguous bfloat16 CPU tensors");
   TORCH_CHECK(q.dim() == 3 && out.sizes() == q.sizes(), "q and out must be [tokens, heads, head_dim]");

@@ -29,8 +29,7 @@
 // from the gate and up values rounded to bfloat16 as q4_1_linear stores them and by
 // silu_mul's own steps (bf16x16.h), so the result is silu_mul(q4_1_linear(...)) to the bit.
 // One kernel call per layer instead of two, and the [rows, 2n] gate-up never goes to memory.
-#include <torch/extension.h>
-#include <ATen/Parallel.h>
+#include "tensors.h"
 
 #include <cpuid.h>
 #include <immintrin.h>
@@ -227,8 +226,8 @@ std::string amx_status() {
 namespace {
 
 template <typename Format, Epilogue E = Epilogue::kLinear>
-torch::Tensor amx_linear(const torch::Tensor& x, const torch::Tensor& blocks, int64_t out_features,
-                         const char* name = Format::kName) {
+at::Tensor amx_linear(const at::Tensor& x, const at::Tensor& blocks, int64_t out_features,
+                      const char* name = Format::kName) {
   TORCH_CHECK(amx_status().empty(), name, " needs AMX: ", amx_status());
   TORCH_CHECK(x.device().is_cpu() && x.scalar_type() == at::kBFloat16 && x.is_contiguous() && x.dim() == 2,
               name, " takes x as a contiguous bfloat16 CPU tensor [rows, in_features]");
@@ -239,7 +238,7 @@ torch::Tensor amx_linear(const torch::Tensor& x, const torch::Tensor& blocks, in
               name, " needs in and out features that are multiples of 32, got ", K, " and ", N);
   TORCH_CHECK(blocks.numel() == (N / 16) * (K / 32) * Format::kBlockBytes,
               name, ": ", blocks.numel(), " bytes of blocks do not make a [", N, ", ", K, "] weight");
-  auto y = torch::empty({rows, E == Epilogue::kLinear ? N : N / 2}, x.options());
+  auto y = at::empty({rows, E == Epilogue::kLinear ? N : N / 2}, x.options());
   if (rows == 0) return y;
   const auto* xp = reinterpret_cast<const uint16_t*>(x.data_ptr<at::BFloat16>());
   auto* yp = reinterpret_cast<uint16_t*>(y.data_ptr<at::BFloat16>());
@@ -252,11 +251,11 @@ torch::Tensor amx_linear(const torch::Tensor& x, const torch::Tensor& blocks, in
 
 }  // namespace
 
-torch::Tensor q4_1_linear(const torch::Tensor& x, const torch::Tensor& blocks, int64_t out_features) {
+at::Tensor q4_1_linear(const at::Tensor& x, const at::Tensor& blocks, int64_t out_features) {
   return amx_linear<Q4_1>(x, blocks, out_features);
 }
 
-torch::Tensor q4_1_swiglu(const torch::Tensor& x, const torch::Tensor& blocks, int64_t out_features) {
+at::Tensor q4_1_swiglu(const at::Tensor& x, const at::Tensor& blocks, int64_t out_features) {
 #if ISOSERVE_BF16X16
   return amx_linear<Q4_1, Epilogue::kSwiglu>(x, blocks, out_features, "q4_1_swiglu");
 #else
@@ -267,6 +266,6 @@ torch::Tensor q4_1_swiglu(const torch::Tensor& x, const torch::Tensor& blocks, i
 #endif
 }
 
-torch::Tensor q8_0_linear(const torch::Tensor& x, const torch::Tensor& blocks, int64_t out_features) {
+at::Tensor q8_0_linear(const at::Tensor& x, const at::Tensor& blocks, int64_t out_features) {
   return amx_linear<Q8_0>(x, blocks, out_features);
 }

@@ -3,7 +3,7 @@
 // refuse the same inputs with the same words before they read a byte.
 #pragma once
 
-#include <torch/extension.h>
+#include "tensors.h"
 
 #include <cstdint>
 
@@ -12,8 +12,8 @@ namespace isoserve {
 // x [rows, K] float32, d (and m, where the format has it) [N / 8, K / 32, 8] float32, and
 // `panel_code_bytes(K)` bytes of codes for each of the N / 8 panels.
 template <typename PanelCodeBytes>
-inline void check_block_linear(const char* name, const torch::Tensor& x, const torch::Tensor& codes,
-                               const torch::Tensor& d, const torch::Tensor* m, PanelCodeBytes panel_code_bytes) {
+inline void check_block_linear(const char* name, const at::Tensor& x, const at::Tensor& codes,
+                               const at::Tensor& d, const at::Tensor* m, PanelCodeBytes panel_code_bytes) {
   constexpr int64_t panel = 8;
   TORCH_CHECK(x.device().is_cpu() && x.scalar_type() == at::kFloat && x.is_contiguous() && x.dim() == 2,
               name, " takes x as a contiguous float32 CPU tensor [rows, in_features]");

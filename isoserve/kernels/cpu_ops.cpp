@@ -11,9 +11,7 @@
 // Memory safety is checked here, not assumed: every page id, slot and length a kernel uses to
 // address the KV pool is bounds-checked against the pool before any read or write. Ownership
 // of those pages is the read guard's job (kv/guard.py), done before the step starts.
-#include <torch/extension.h>
-#include <pybind11/stl.h>
-#include <ATen/Parallel.h>
+#include "tensors.h"
 
 #include <algorithm>
 #include <cmath>
@@ -103,7 +101,7 @@ inline float sum_of_squares(const T* x, int64_t n) {
   return sum + sum_lanes(lanes);
 }
 
-void check_float_cpu(const torch::Tensor& t, const char* name) {
+void check_float_cpu(const at::Tensor& t, const char* name) {
   TORCH_CHECK(t.device().is_cpu(), name, " must be on the CPU");
   TORCH_CHECK(t.scalar_type() == at::kFloat || t.scalar_type() == at::kBFloat16,
               name, " must be float32 or bfloat16, got ", t.scalar_type());
@@ -111,7 +109,7 @@ void check_float_cpu(const torch::Tensor& t, const char* name) {
 }
 
 // A KV cache: the model's dtype, or a narrower one (check_kv_dtype says which pairs).
-void check_kv_cpu(const torch::Tensor& t, const char* name) {
+void check_kv_cpu(const at::Tensor& t, const char* name) {
   TORCH_CHECK(t.device().is_cpu(), name, " must be on the CPU");
   TORCH_CHECK(t.scalar_type() == at::kFloat || t.scalar_type() == at::kBFloat16 ||
                   t.scalar_type() == at::kFloat8_e4m3fn,
@@ -119,7 +117,7 @@ void check_kv_cpu(const torch::Tensor& t, const char* name) {
   TORCH_CHECK(t.is_contiguous(), name, " must be contiguous");
 }
 
-void check_index(const torch::Tensor& t, const char* name) {
+void check_index(const at::Tensor& t, const char* name) {
   TORCH_CHECK(t.device().is_cpu() && t.scalar_type() == at::kLong && t.is_contiguous(),
               name, " must be a contiguous int64 CPU tensor");
 }
@@ -185,7 +183,7 @@ void rms_norm_rows(T* x, const T* residual_in, const T* w, T* out, int64_t rows,
   });
 }
 
-void check_norm(const torch::Tensor& x, const torch::Tensor& w) {
+void check_norm(const at::Tensor& x, const at::Tensor& w) {
   check_float_cpu(x, "x");
   check_float_cpu(w, "weight");
   TORCH_CHECK(x.dim() == 2 && w.dim() == 1 && w.size(0) == x.size(1),
@@ -193,9 +191,11 @@ void check_norm(const torch::Tensor& x, const torch::Tensor& w) {
   TORCH_CHECK(w.scalar_type() == x.scalar_type(), "x and weight must share a dtype");
 }
 
-torch::Tensor rms_norm(const torch::Tensor& x, const torch::Tensor& w, double eps) {
+}  // namespace
+
+at::Tensor rms_norm(const at::Tensor& x, const at::Tensor& w, double eps) {
   check_norm(x, w);
-  auto out = torch::empty_like(x);
+  auto out = at::empty_like(x);
   ISOSERVE_DISPATCH(x.scalar_type(), [&] {
     rms_norm_rows<scalar_t>(x.data_ptr<scalar_t>(), nullptr, w.data_ptr<scalar_t>(),
                             out.data_ptr<scalar_t>(), x.size(0), x.size(1), static_cast<float>(eps));
@@ -203,16 +203,14 @@ torch::Tensor rms_norm(const torch::Tensor& x, const torch::Tensor& w, double ep
   return out;
 }
 
-}  // namespace
-
 // Declared in entry_points.h: decoder_stack.cpp calls it too.
 // x += y in place (the residual stream), then returns rms_norm(x).
-torch::Tensor add_rms_norm(torch::Tensor& x, const torch::Tensor& y, const torch::Tensor& w, double eps) {
+at::Tensor add_rms_norm(at::Tensor& x, const at::Tensor& y, const at::Tensor& w, double eps) {
   check_norm(x, w);
   check_float_cpu(y, "y");
   TORCH_CHECK(y.sizes() == x.sizes() && y.scalar_type() == x.scalar_type(),
               "add_rms_norm: y must match x in shape and dtype");
-  auto out = torch::empty_like(x);
+  auto out = at::empty_like(x);
   ISOSERVE_DISPATCH(x.scalar_type(), [&] {
     rms_norm_rows<scalar_t>(x.data_ptr<scalar_t>(), y.data_ptr<scalar_t>(), w.data_ptr<scalar_t>(),
                             out.data_ptr<scalar_t>(), x.size(0), x.size(1), static_cast<float>(eps));
@@ -262,16 +260,20 @@ void silu_mul_rows(const T* in, T* out, int64_t rows, int64_t n) {
   });
 }
 
-torch::Tensor silu_mul(const torch::Tensor& gate_up) {
+}  // namespace
+
+at::Tensor silu_mul(const at::Tensor& gate_up) {
   check_float_cpu(gate_up, "gate_up");
   TORCH_CHECK(gate_up.dim() == 2 && gate_up.size(1) % 2 == 0, "silu_mul takes [rows, 2 * n]");
   const int64_t rows = gate_up.size(0), n = gate_up.size(1) / 2;
-  auto out = torch::empty({rows, n}, gate_up.options());
+  auto out = at::empty({rows, n}, gate_up.options());
   ISOSERVE_DISPATCH(gate_up.scalar_type(), [&] {
     silu_mul_rows<scalar_t>(gate_up.data_ptr<scalar_t>(), out.data_ptr<scalar_t>(), rows, n);
   });
   return out;
 }
+
+namespace {
 
 // ---- The pool's dtype -------------------------------------------------------------------------
 // The pool dtypes a model dtype reads and writes: its own, and bfloat16 under float32 (half the
@@ -390,9 +392,9 @@ void rotary_rows(const T* qkv, const T* cos, const T* sin, const int64_t* slot, 
 }  // namespace
 
 // Declared in entry_points.h: decoder_stack.cpp calls it too.
-torch::Tensor rotary_store(const torch::Tensor& qkv, const torch::Tensor& cos, const torch::Tensor& sin,
-                           torch::Tensor& k_cache, torch::Tensor& v_cache, const torch::Tensor& slots,
-                           int64_t heads) {
+at::Tensor rotary_store(const at::Tensor& qkv, const at::Tensor& cos, const at::Tensor& sin,
+                        at::Tensor& k_cache, at::Tensor& v_cache, const at::Tensor& slots,
+                        int64_t heads) {
   check_float_cpu(qkv, "qkv");
   check_float_cpu(cos, "cos");
   check_float_cpu(sin, "sin");
@@ -415,7 +417,7 @@ torch::Tensor rotary_store(const torch::Tensor& qkv, const torch::Tensor& cos, c
   const int64_t* slot = slots.data_ptr<int64_t>();
   for (int64_t t = 0; t < tokens; ++t)
     TORCH_CHECK(slot[t] >= 0 && slot[t] < cache_slots, "KV slot ", slot[t], " is outside the pool");
-  auto q = torch::empty({tokens, heads, dim}, qkv.options());
+  auto q = at::empty({tokens, heads, dim}, qkv.options());
   ISOSERVE_DISPATCH_KV(dtype, k_cache.scalar_type(), [&] {
     rotary_rows<scalar_t, kv_t>(qkv.data_ptr<scalar_t>(), cos.data_ptr<scalar_t>(), sin.data_ptr<scalar_t>(),
                                 slot, q.data_ptr<scalar_t>(), k_cache.data_ptr<kv_t>(),
@@ -782,9 +784,9 @@ void decode_attention_impl(const T* q, const KV* kc, const KV* vc, const int64_t
 }  // namespace
 
 // Declared in entry_points.h: decoder_stack.cpp calls it too.
-torch::Tensor decode_attention(const torch::Tensor& q, const torch::Tensor& k_cache,
-                               const torch::Tensor& v_cache, const torch::Tensor& pages,
-                               const torch::Tensor& lens, double scale, bool bf16_dot) {
+at::Tensor decode_attention(const at::Tensor& q, const at::Tensor& k_cache,
+                            const at::Tensor& v_cache, const at::Tensor& pages,
+                            const at::Tensor& lens, double scale, bool bf16_dot) {
   check_float_cpu(q, "q");
   check_kv_cpu(k_cache, "k_cache");
   check_kv_cpu(v_cache, "v_cache");
@@ -806,7 +808,7 @@ torch::Tensor decode_attention(const torch::Tensor& q, const torch::Tensor& k_ca
   const int64_t* len = lens.data_ptr<int64_t>();
   for (int64_t b = 0; b < batch; ++b)
     isoserve::check_page_reads(table + b * width, width, len[b], 1, page_size, num_pages, "sequence", b);
-  auto out = torch::empty_like(q);
+  auto out = at::empty_like(q);
   ISOSERVE_DISPATCH_KV(q.scalar_type(), k_cache.scalar_type(), [&] {
     decode_attention_impl<scalar_t, kv_t>(q.data_ptr<scalar_t>(), k_cache.data_ptr<kv_t>(),
                                          v_cache.data_ptr<kv_t>(), table, len, out.data_ptr<scalar_t>(),
@@ -816,7 +818,13 @@ torch::Tensor decode_attention(const torch::Tensor& q, const torch::Tensor& k_ca
   return out;
 }
 
-namespace {
+bool has_bf16_dot() { return kHaveBf16Dot; }
+bool fast_fp8_kv() { return ISOSERVE_FP8_AVX512; }
+#if ISOSERVE_F32X8
+bool has_f32x8() { return true; }
+#else
+bool has_f32x8() { return false; }
+#endif
 
 // ---- A float8 pool's pages as bfloat16 ----------------------------------------------------------
 // cache [kv_heads, pages, page_size, dim] of float8 codes -> [kv_heads, len(pages), page_size,
@@ -824,7 +832,7 @@ namespace {
 // prefill chunks read, for the AMX prefill kernel, which takes bfloat16 tiles. torch's own
 // conversion took ~2.2 ns an element here, 90 ms of a 32-prompt prefill step; this ~0.1.
 
-torch::Tensor fp8_pages_to_bf16(const torch::Tensor& cache, const torch::Tensor& pages) {
+at::Tensor fp8_pages_to_bf16(const at::Tensor& cache, const at::Tensor& pages) {
   TORCH_CHECK(cache.device().is_cpu() && cache.scalar_type() == at::kFloat8_e4m3fn && cache.is_contiguous() &&
                   cache.dim() == 4,
               "cache must be a contiguous float8_e4m3fn CPU tensor [kv_heads, pages, page_size, head_dim]");
@@ -834,7 +842,7 @@ torch::Tensor fp8_pages_to_bf16(const torch::Tensor& cache, const torch::Tensor&
   const int64_t* page = pages.data_ptr<int64_t>();
   for (int64_t i = 0; i < n; ++i)
     TORCH_CHECK(page[i] >= 0 && page[i] < num_pages, "page ", page[i], " is outside the pool");
-  auto out = torch::empty({heads, n, cache.size(2), cache.size(3)}, cache.options().dtype(at::kBFloat16));
+  auto out = at::empty({heads, n, cache.size(2), cache.size(3)}, cache.options().dtype(at::kBFloat16));
   const auto* codes = reinterpret_cast<const uint8_t*>(cache.data_ptr());
   auto* words = reinterpret_cast<uint16_t*>(out.data_ptr<at::BFloat16>());
   at::parallel_for(0, heads * n, 8, [&](int64_t begin, int64_t end) {
@@ -863,6 +871,8 @@ torch::Tensor fp8_pages_to_bf16(const torch::Tensor& cache, const torch::Tensor&
   });
   return out;
 }
+
+namespace {
 
 // ---- Greedy tokens ----------------------------------------------------------------------------
 // Each row's index of its first maximal value, as torch.argmax returns it (a NaN counts as the
@@ -948,13 +958,15 @@ int64_t argmax_row(const T* x, int64_t n) {
   return row.top_at;
 }
 
-torch::Tensor argmax_rows(const torch::Tensor& logits) {
+}  // namespace
+
+at::Tensor argmax_rows(const at::Tensor& logits) {
   check_float_cpu(logits, "logits");
   TORCH_CHECK(logits.dim() == 2 && logits.size(1) > 0, "argmax_rows takes [rows, n > 0]");
   TORCH_CHECK(logits.size(1) <= std::numeric_limits<int32_t>::max(),
               "argmax_rows keeps indices in 32-bit lanes: rows of at most 2^31 - 1 values");
   const int64_t rows = logits.size(0), n = logits.size(1);
-  auto out = torch::empty({rows}, logits.options().dtype(at::kLong));
+  auto out = at::empty({rows}, logits.options().dtype(at::kLong));
   int64_t* o = out.data_ptr<int64_t>();
   ISOSERVE_DISPATCH(logits.scalar_type(), [&] {
     const scalar_t* x = logits.data_ptr<scalar_t>();
@@ -972,7 +984,7 @@ torch::Tensor argmax_rows(const torch::Tensor& logits) {
 // guard.py describes them. Plain lists in, so a small batch pays for no tensor construction.
 
 std::vector<std::pair<int64_t, int64_t>> check_reads(
-    const torch::Tensor& writer, const torch::Tensor& epoch, const torch::Tensor& filled,
+    const at::Tensor& writer, const at::Tensor& epoch, const at::Tensor& filled,
     const std::vector<int64_t>& tags, const std::vector<std::vector<int64_t>>& tables,
     const std::vector<std::vector<int64_t>>& epochs, const std::vector<int64_t>& read_before,
     int64_t page_size) {
@@ -999,82 +1011,4 @@ std::vector<std::pair<int64_t, int64_t>> check_reads(
     }
   }
   return bad;
-}
-
-}  // namespace
-
-PYBIND11_MODULE(TORCH_EXTENSION_NAME, m) {
-  m.def("rms_norm", &rms_norm, "RMSNorm of [rows, n] rows");
-  m.def("add_rms_norm", &add_rms_norm, "x += y in place, then RMSNorm of x");
-  m.def("silu_mul", &silu_mul, "silu(gate) * up of a merged [rows, 2n] gate-up");
-  m.def("rotary_store", &rotary_store, "RoPE on Q and K; K and V written to their cache slots");
-  m.def("decode_attention", &decode_attention, "one-query attention over paged KV, in place",
-        py::arg("q"), py::arg("k_cache"), py::arg("v_cache"), py::arg("pages"), py::arg("lens"),
-        py::arg("scale"), py::arg("bf16_dot") = true);
-  m.attr("has_bf16_dot") = kHaveBf16Dot;
-  // Whether a float8 pool's codes widen on AVX-512 (fp8.h); elsewhere its attention runs ~2.5x
-  // a bfloat16 pool's time (AVX2, float32 model, batch 32).
-  m.attr("fast_fp8_kv") = static_cast<bool>(ISOSERVE_FP8_AVX512);
-  m.def("fp8_pages_to_bf16", &fp8_pages_to_bf16, "pages of a float8 KV cache as bfloat16, exactly",
-        py::arg("cache"), py::arg("pages"));
-#if ISOSERVE_F32X8
-  m.attr("has_f32x8") = true;  // float32 kernels of their own on AVX2 (f32x8.h)
-#else
-  m.attr("has_f32x8") = false;
-#endif
-  m.def("argmax_rows", &argmax_rows, "each row's first index of its maximum, as torch.argmax");
-  m.def("nucleus_rows", &nucleus_rows, "each row's probabilities inside its top-p nucleus, 0 outside",
-        py::arg("probs"), py::arg("top_p"));
-#if ISOSERVE_BF16X16 || ISOSERVE_AVX2_FMA
-  m.attr("has_temperature_draw") = true;  // draw.cpp: AVX-512 or AVX2; elsewhere the sampler's torch ops
-#else
-  m.attr("has_temperature_draw") = false;
-#endif
-  m.def("temperature_draw", &temperature_draw,
-        "a token from each row of softmax(logits / temperature) at u of its mass, -1 where the row is "
-        "no distribution", py::arg("logits"), py::arg("temperature"), py::arg("u"));
-  m.def("check_reads", &check_reads, "the read guard: (sequence, page index) pairs that fail");
-  m.def("amx_status", &amx_status, "'' when q4_1_linear can run on this machine, else why not");
-  m.def("q4_1_linear", &q4_1_linear, "x W^T for Q4_1 weight blocks (model/amx.py), on AMX",
-        py::arg("x"), py::arg("blocks"), py::arg("out_features"));
-  m.def("q4_1_swiglu", &q4_1_swiglu,
-        "silu(x G^T) * (x U^T) for a gate-up weight of Q4_1 blocks in pairs of 16 gate and 16 up "
-        "rows (model/amx.py), on AMX", py::arg("x"), py::arg("blocks"), py::arg("out_features"));
-  m.def("q8_0_linear", &q8_0_linear, "x W^T for Q8_0 weight blocks (model/amx.py), on AMX",
-        py::arg("x"), py::arg("blocks"), py::arg("out_features"));
-  m.def("vector_status", &vector_status, "'' when q4_1_linear_f32 can run on this machine, else why not");
-  m.def("q4_1_linear_f32", &q4_1_linear_f32, "x W^T in float32 for Q4_1 blocks (model/vector_blocks.py), AVX2",
-        py::arg("x"), py::arg("codes"), py::arg("d"), py::arg("m"));
-  m.def("q8_0_linear_f32", &q8_0_linear_f32, "x W^T in float32 for Q8_0 blocks (model/vector_blocks.py), AVX2",
-        py::arg("x"), py::arg("codes"), py::arg("d"));
-  m.def("int8_status", &int8_status, "'' when q4_1_linear_i8 can run on this machine, else why not");
-  m.def("int8_isa", &int8_isa, "the int8 block matmuls' tiles: 'avx512-vnni', 'avx2', or '' where they cannot run");
-  m.def("q4_1_linear_i8",
-        [](const torch::Tensor& x, const torch::Tensor& codes, const torch::Tensor& d, const torch::Tensor& m) {
-          return q4_1_linear_i8(x, codes, d, m);
-        },
-        "x W^T for Q4_1 blocks with x quantized to int8 by blocks of 32 (model/int8_blocks.py), AVX2 or AVX512-VNNI",
-        py::arg("x"), py::arg("codes"), py::arg("d"), py::arg("m"));
-  m.def("q4_1_swiglu_i8", &q4_1_swiglu_i8,
-        "silu(x G^T) * (x U^T) for a gate-up weight of Q4_1 blocks in pairs of gate and up panels, "
-        "x quantized to int8 by blocks of 32 (model/int8_blocks.py), AVX2 or AVX512-VNNI",
-        py::arg("x"), py::arg("codes"), py::arg("d"), py::arg("m"));
-  m.def("q8_0_linear_i8", &q8_0_linear_i8,
-        "x W^T for Q8_0 blocks with x quantized to int8 by blocks of 32 (model/int8_blocks.py), AVX2 or AVX512-VNNI",
-        py::arg("x"), py::arg("codes"), py::arg("d"));
-  m.def("quantize_rows_i8", &quantize_rows_i8,
-        "the int8 activations those kernels multiply by: x quantized by blocks of 32 in tiles of tile_rows "
-        "(flipped: as Q8_0's AVX-512 tiles take them, codes + 128), returned as codes [rows, K] int8, scale and "
-        "sum [rows, K / 32]",
-        py::arg("x"), py::arg("tile_rows"), py::arg("flipped"));
-  m.def("prefill_attention", &prefill_attention,
-        "causal attention of a step's prefill chunks over their pages into out's rows, on AMX",
-        py::arg("q"), py::arg("k_cache"), py::arg("v_cache"), py::arg("chunks"), py::arg("pages"),
-        py::arg("out"), py::arg("scale"));
-  m.def("f32_prefill_status", &f32_prefill_status, "'' when prefill_attention_f32 can run on this machine, else why not");
-  m.def("prefill_attention_f32", &prefill_attention_f32,
-        "causal attention of a step's prefill chunks over their pages into out's rows, in float32 on AVX-512",
-        py::arg("q"), py::arg("k_cache"), py::arg("v_cache"), py::arg("chunks"), py::arg("pages"),
-        py::arg("out"), py::arg("scale"));
-  register_decoder_stack(m);
 }

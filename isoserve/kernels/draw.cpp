@@ -25,8 +25,7 @@
 // and FMA (an AMD Zen 3, where isoserve runs float32 and the torch ops took ~2.2 ms of a
 // ~45 ms batch-32 step). Only the widths differ: the same passes, the same float64 blocks, so
 // the same draw up to the roundings above.
-#include <torch/extension.h>
-#include <ATen/Parallel.h>
+#include "tensors.h"
 
 #include <immintrin.h>
 
@@ -173,7 +172,7 @@ int64_t draw_row(const float* x, int64_t n, float temperature, double u, std::ve
 
 }  // namespace
 
-torch::Tensor temperature_draw(const torch::Tensor& logits, const torch::Tensor& temperature, const torch::Tensor& u) {
+at::Tensor temperature_draw(const at::Tensor& logits, const at::Tensor& temperature, const at::Tensor& u) {
   TORCH_CHECK(logits.device().is_cpu() && logits.scalar_type() == at::kFloat && logits.is_contiguous() &&
                   logits.dim() == 2 && logits.size(1) > 0,
               "temperature_draw takes logits as a contiguous float32 CPU tensor [rows, vocabulary > 0]");
@@ -190,7 +189,7 @@ torch::Tensor temperature_draw(const torch::Tensor& logits, const torch::Tensor&
     TORCH_CHECK(t[r] > 0.0f && std::isfinite(t[r]), "temperature_draw: row ", r, "'s temperature is not positive and finite");
     TORCH_CHECK(uniform[r] >= 0.0 && uniform[r] < 1.0, "temperature_draw: row ", r, "'s u is not in [0, 1)");
   }
-  auto tokens = torch::empty({rows}, torch::kLong);
+  auto tokens = at::empty({rows}, at::kLong);
   const float* x = logits.data_ptr<float>();
   int64_t* out = tokens.data_ptr<int64_t>();
   at::parallel_for(0, rows, 1, [&](int64_t begin, int64_t end) {
@@ -202,9 +201,17 @@ torch::Tensor temperature_draw(const torch::Tensor& logits, const torch::Tensor&
 
 #else
 
-torch::Tensor temperature_draw(const torch::Tensor&, const torch::Tensor&, const torch::Tensor&) {
+at::Tensor temperature_draw(const at::Tensor&, const at::Tensor&, const at::Tensor&) {
   TORCH_CHECK(false, "temperature_draw needs AVX2 and FMA or AVX-512 (has_temperature_draw is False here)");
   return {};
 }
 
 #endif
+
+bool has_temperature_draw() {
+#if ISOSERVE_BF16X16 || ISOSERVE_AVX2_FMA
+  return true;
+#else
+  return false;
+#endif
+}

@@ -32,8 +32,7 @@
 // and the pool before anything is read (prefill_chunks.h), and the layout reads no slot past a
 // chunk's context. Which pages a chunk may read at all is the read guard's decision
 // (kv/guard.py), made before the step.
-#include <torch/extension.h>
-#include <ATen/Parallel.h>
+#include "tensors.h"
 
 #include <immintrin.h>
 #include <omp.h>
@@ -270,14 +269,14 @@ std::string f32_prefill_status() {
 // `context` keys (its queries are the last `rows` of them), in float32.
 //   q, out: [T, heads, head_dim] float32; caches [kv_heads, pages, page_size, head_dim] float32
 //   or bfloat16; chunks [C, 3] (first row, rows, context); pages [C, width] (page tables).
-void prefill_attention_f32(const torch::Tensor& q, const torch::Tensor& k_cache, const torch::Tensor& v_cache,
-                           const torch::Tensor& chunks, const torch::Tensor& pages, torch::Tensor& out,
+void prefill_attention_f32(const at::Tensor& q, const at::Tensor& k_cache, const at::Tensor& v_cache,
+                           const at::Tensor& chunks, const at::Tensor& pages, at::Tensor& out,
                            double scale) {
   TORCH_CHECK(kBuilt, "prefill_attention_f32 needs AVX-512: ", f32_prefill_status());
-  for (const torch::Tensor* t : {&q, static_cast<const torch::Tensor*>(&out)})
+  for (const at::Tensor* t : {&q, static_cast<const at::Tensor*>(&out)})
     TORCH_CHECK(t->device().is_cpu() && t->scalar_type() == at::kFloat && t->is_contiguous(),
                 "prefill_attention_f32 takes q and out as contiguous float32 CPU tensors");
-  for (const torch::Tensor* t : {&k_cache, &v_cache})
+  for (const at::Tensor* t : {&k_cache, &v_cache})
     TORCH_CHECK(t->device().is_cpu() && t->is_contiguous() && t->scalar_type() == k_cache.scalar_type() &&
                 (t->scalar_type() == at::kFloat || t->scalar_type() == at::kBFloat16),
                 "prefill_attention_f32 takes contiguous float32 or bfloat16 caches of one dtype");

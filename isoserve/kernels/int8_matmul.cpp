@@ -49,8 +49,7 @@
 // steps are AVX2's in the same order, lane for lane, so both paths give the same bits (for
 // finite inputs: an infinite one quantizes to -128, which AVX2's vpsignb cannot negate). With
 // 32 registers a tile holds up to 8 rows (the tile_512 section below).
-#include <torch/extension.h>
-#include <ATen/Parallel.h>
+#include "tensors.h"
 
 #include <immintrin.h>
 
@@ -482,7 +481,7 @@ template <> struct Zmm<Q8_0> { using type = Q8_0x16; };
 // Every pair of panels by the tiles above; an odd panel count's last panel by AVX2's, over the
 // rows quantized again for those (unflipped, in tiles of 4).
 template <typename Format, bool Swiglu>
-void all_panels(const torch::Tensor& x, int64_t K, const uint8_t* cp, const float* dp, const float* mp, float* yp,
+void all_panels(const at::Tensor& x, int64_t K, const uint8_t* cp, const float* dp, const float* mp, float* yp,
                 int64_t panels, int64_t N, const isoserve::LineSlice<>* side) {
   using F = typename Zmm<Format>::type;
   const int64_t rows = x.size(0), blocks = K / 32;
@@ -516,7 +515,7 @@ void all_panels(const torch::Tensor& x, int64_t K, const uint8_t* cp, const floa
 // Every pair of panels (and an odd panel count's last one) by the tiles above. No side lines:
 // prefetching slowed these tiles (session 33), and requesting KV from them is unmeasured.
 template <typename Format, bool Swiglu>
-void all_panels(const torch::Tensor& x, int64_t K, const uint8_t* cp, const float* dp, const float* mp, float* yp,
+void all_panels(const at::Tensor& x, int64_t K, const uint8_t* cp, const float* dp, const float* mp, float* yp,
                 int64_t panels, int64_t N, const isoserve::LineSlice<>*) {
   const int64_t rows = x.size(0), blocks = K / 32;
   const Tiles tiles{rows, (rows + kTile - 1) / kTile};
@@ -535,13 +534,13 @@ void all_panels(const torch::Tensor& x, int64_t K, const uint8_t* cp, const floa
 #endif
 
 template <typename Format, bool Swiglu = false>
-torch::Tensor int8_linear(const char* name, const torch::Tensor& x, const torch::Tensor& codes,
-                          const torch::Tensor& d, const torch::Tensor* m, const isoserve::LineSlice<>* side = nullptr) {
+at::Tensor int8_linear(const char* name, const at::Tensor& x, const at::Tensor& codes,
+                       const at::Tensor& d, const at::Tensor* m, const isoserve::LineSlice<>* side = nullptr) {
   isoserve::check_block_linear(name, x, codes, d, m, [](int64_t K) { return K / 32 * Format::kBlockBytes; });
   const int64_t rows = x.size(0), K = x.size(1), panels = d.size(0);
   TORCH_CHECK(!Swiglu || panels % 2 == 0, name, " takes pairs of gate and up panels, not ", panels, " panels");
   const int64_t N = (Swiglu ? panels / 2 : panels) * kPanel;  // outputs
-  auto y = torch::empty({rows, N}, x.options());
+  auto y = at::empty({rows, N}, x.options());
   if (rows == 0) return y;
   all_panels<Format, Swiglu>(x, K, codes.data_ptr<uint8_t>(), d.data_ptr<float>(), m ? m->data_ptr<float>() : nullptr,
                              y.data_ptr<float>(), panels, N, side);
@@ -568,8 +567,8 @@ std::string int8_isa() {
 }
 
 #if defined(__AVX2__) && defined(__FMA__)
-std::tuple<torch::Tensor, torch::Tensor, torch::Tensor> quantize_rows_i8(const torch::Tensor& x, int64_t tile_rows,
-                                                                         bool flipped) {
+std::tuple<at::Tensor, at::Tensor, at::Tensor> quantize_rows_i8(const at::Tensor& x, int64_t tile_rows,
+                                                                bool flipped) {
   TORCH_CHECK(x.device().is_cpu() && x.scalar_type() == at::kFloat && x.is_contiguous() && x.dim() == 2 &&
                   x.size(1) % 32 == 0,
               "quantize_rows_i8 takes x as a contiguous float32 CPU tensor [rows, K], K a multiple of 32");
@@ -581,8 +580,8 @@ std::tuple<torch::Tensor, torch::Tensor, torch::Tensor> quantize_rows_i8(const t
   TORCH_CHECK(tile_rows >= 1 && tile_rows <= kMostTileRows, "quantize_rows_i8: tiles of 1 to ", kMostTileRows,
               " rows here, not ", tile_rows);
   const int64_t rows = x.size(0), K = x.size(1), blocks = K / 32;
-  auto codes = torch::empty({rows, K}, torch::kChar);
-  auto scale = torch::empty({rows, blocks}, torch::kFloat), sum = torch::empty({rows, blocks}, torch::kFloat);
+  auto codes = at::empty({rows, K}, at::kChar);
+  auto scale = at::empty({rows, blocks}, at::kFloat), sum = at::empty({rows, blocks}, at::kFloat);
   if (rows == 0) return {codes, scale, sum};
   const Tiles tiles{rows, (rows + tile_rows - 1) / tile_rows};
   const int32_t flip = flipped ? static_cast<int32_t>(0x80808080u) : 0;
@@ -603,34 +602,34 @@ std::tuple<torch::Tensor, torch::Tensor, torch::Tensor> quantize_rows_i8(const t
   return {codes, scale, sum};
 }
 
-torch::Tensor q4_1_linear_i8(const torch::Tensor& x, const torch::Tensor& codes, const torch::Tensor& d,
-                             const torch::Tensor& m, const isoserve::LineSlice<>* side) {
+at::Tensor q4_1_linear_i8(const at::Tensor& x, const at::Tensor& codes, const at::Tensor& d,
+                          const at::Tensor& m, const isoserve::LineSlice<>* side) {
   return int8_linear<Q4_1>("q4_1_linear_i8", x, codes, d, &m, side);
 }
 
-torch::Tensor q4_1_swiglu_i8(const torch::Tensor& x, const torch::Tensor& codes, const torch::Tensor& d,
-                             const torch::Tensor& m) {
+at::Tensor q4_1_swiglu_i8(const at::Tensor& x, const at::Tensor& codes, const at::Tensor& d,
+                          const at::Tensor& m) {
   return int8_linear<Q4_1, true>("q4_1_swiglu_i8", x, codes, d, &m);
 }
 
-torch::Tensor q8_0_linear_i8(const torch::Tensor& x, const torch::Tensor& codes, const torch::Tensor& d) {
+at::Tensor q8_0_linear_i8(const at::Tensor& x, const at::Tensor& codes, const at::Tensor& d) {
   return int8_linear<Q8_0>("q8_0_linear_i8", x, codes, d, nullptr);
 }
 #else
-std::tuple<torch::Tensor, torch::Tensor, torch::Tensor> quantize_rows_i8(const torch::Tensor&, int64_t, bool) {
+std::tuple<at::Tensor, at::Tensor, at::Tensor> quantize_rows_i8(const at::Tensor&, int64_t, bool) {
   TORCH_CHECK(false, "quantize_rows_i8 needs a build for a CPU with AVX2 and FMA");
 }
 
-torch::Tensor q4_1_linear_i8(const torch::Tensor&, const torch::Tensor&, const torch::Tensor&, const torch::Tensor&,
-                             const isoserve::LineSlice<>*) {
+at::Tensor q4_1_linear_i8(const at::Tensor&, const at::Tensor&, const at::Tensor&, const at::Tensor&,
+                          const isoserve::LineSlice<>*) {
   TORCH_CHECK(false, "q4_1_linear_i8 needs a build for a CPU with AVX2 and FMA");
 }
 
-torch::Tensor q4_1_swiglu_i8(const torch::Tensor&, const torch::Tensor&, const torch::Tensor&, const torch::Tensor&) {
+at::Tensor q4_1_swiglu_i8(const at::Tensor&, const at::Tensor&, const at::Tensor&, const at::Tensor&) {
   TORCH_CHECK(false, "q4_1_swiglu_i8 needs a build for a CPU with AVX2 and FMA");
 }
 
-torch::Tensor q8_0_linear_i8(const torch::Tensor&, const torch::Tensor&, const torch::Tensor&) {
+at::Tensor q8_0_linear_i8(const at::Tensor&, const at::Tensor&, const at::Tensor&) {
   TORCH_CHECK(false, "q8_0_linear_i8 needs a build for a CPU with AVX2 and FMA");
 }
 #endif

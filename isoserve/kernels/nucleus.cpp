@@ -17,8 +17,7 @@
 // rows are refused). Every partial sum is exact, so any order gives the same bits. (Keys 2040
 // and up hold +-inf and NaN: a row with one has a total that is not finite in any order, and
 // keeps nothing.)
-#include <torch/extension.h>
-#include <ATen/Parallel.h>
+#include "tensors.h"
 
 #include <immintrin.h>
 
@@ -132,7 +131,7 @@ void nucleus_row(const float* p, int64_t n, double top_p, float* out, Scratch& s
 
 }  // namespace
 
-torch::Tensor nucleus_rows(const torch::Tensor& probs, const torch::Tensor& top_p) {
+at::Tensor nucleus_rows(const at::Tensor& probs, const at::Tensor& top_p) {
   TORCH_CHECK(probs.device().is_cpu() && probs.scalar_type() == at::kFloat && probs.is_contiguous() && probs.dim() == 2,
               "nucleus_rows takes probs as a contiguous float32 CPU tensor [rows, vocabulary]");
   TORCH_CHECK(top_p.device().is_cpu() && top_p.scalar_type() == at::kFloat && top_p.is_contiguous() &&
@@ -143,7 +142,7 @@ torch::Tensor nucleus_rows(const torch::Tensor& probs, const torch::Tensor& top_
               "then exact), not ", n);
   const float* tp = top_p.data_ptr<float>();
   for (int64_t r = 0; r < rows; ++r) TORCH_CHECK(!std::isnan(tp[r]), "nucleus_rows: top_p of row ", r, " is NaN");
-  auto out = torch::empty_like(probs);  // every element written
+  auto out = at::empty_like(probs);  // every element written
   const float* p = probs.data_ptr<float>();
   float* o = out.data_ptr<float>();
   at::parallel_for(0, rows, 1, [&](int64_t begin, int64_t end) {

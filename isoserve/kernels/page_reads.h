@@ -3,7 +3,7 @@
 // ownership, which the read guard decides before the step (kv/guard.py).
 #pragma once
 
-#include <torch/extension.h>
+#include "tensors.h"
 
 #include <cstdint>
 

@@ -3,7 +3,7 @@
 // ownership, which the read guard decides before the step (kv/guard.py).
 #pragma once
 
-#include <torch/extension.h>
+#include "tensors.h"
 
 #include <algorithm>
 #include <cstdint>
@@ -25,10 +25,10 @@ struct PrefillSpan {
 // a step of `tokens` query rows and a pool of `num_pages` pages of `page_size` keys. Refuses a
 // chunk whose rows leave the step or overlap another's, and a table that cannot hold its
 // context or names a page outside the pool.
-inline std::vector<PrefillSpan> checked_prefill_spans(const torch::Tensor& chunks, const torch::Tensor& pages,
+inline std::vector<PrefillSpan> checked_prefill_spans(const at::Tensor& chunks, const at::Tensor& pages,
                                                       int64_t tokens, int64_t page_size, int64_t num_pages,
                                                       const char* kernel) {
-  for (const torch::Tensor* t : {&chunks, &pages})
+  for (const at::Tensor* t : {&chunks, &pages})
     TORCH_CHECK(t->device().is_cpu() && t->scalar_type() == at::kLong && t->is_contiguous(),
                 kernel, " takes chunks and pages as contiguous int64 CPU tensors");
   TORCH_CHECK(chunks.dim() == 2 && chunks.size(1) == 3 && pages.dim() == 2 && pages.size(0) == chunks.size(0),

@@ -37,8 +37,7 @@
 // 105-132 against 141-148; 512 rows 1.01-1.09 s against 1.04-1.16; 3,200 rows 7.30 s against
 // 7.22. Register tiles of 5-6 rows x 16 outputs without the buffer (19 live registers) spilled
 // and ran slower.
-#include <torch/extension.h>
-#include <ATen/Parallel.h>
+#include "tensors.h"
 
 #include <immintrin.h>
 
@@ -160,11 +159,11 @@ inline void tile_of(int rows, std::integer_sequence<int, R...>, const float* xt,
 }
 
 template <typename Format>
-torch::Tensor vector_linear(const char* name, const torch::Tensor& x, const torch::Tensor& codes,
-                            const torch::Tensor& d, const torch::Tensor* m) {
+at::Tensor vector_linear(const char* name, const at::Tensor& x, const at::Tensor& codes,
+                         const at::Tensor& d, const at::Tensor* m) {
   isoserve::check_block_linear(name, x, codes, d, m, [](int64_t K) { return Format::code_bytes(K); });
   const int64_t rows = x.size(0), K = x.size(1), panels = d.size(0), N = panels * kPanel;
-  auto y = torch::empty({rows, N}, x.options());
+  auto y = at::empty({rows, N}, x.options());
   const float* xp = x.data_ptr<float>();
   float* yp = y.data_ptr<float>();
   const uint8_t* cp = codes.data_ptr<uint8_t>();
@@ -226,20 +225,20 @@ std::string vector_status() {
 }
 
 #if defined(__AVX2__) && defined(__FMA__)
-torch::Tensor q4_1_linear_f32(const torch::Tensor& x, const torch::Tensor& codes, const torch::Tensor& d,
-                              const torch::Tensor& m) {
+at::Tensor q4_1_linear_f32(const at::Tensor& x, const at::Tensor& codes, const at::Tensor& d,
+                           const at::Tensor& m) {
   return vector_linear<Q4_1>("q4_1_linear_f32", x, codes, d, &m);
 }
 
-torch::Tensor q8_0_linear_f32(const torch::Tensor& x, const torch::Tensor& codes, const torch::Tensor& d) {
+at::Tensor q8_0_linear_f32(const at::Tensor& x, const at::Tensor& codes, const at::Tensor& d) {
   return vector_linear<Q8_0>("q8_0_linear_f32", x, codes, d, nullptr);
 }
 #else
-torch::Tensor q4_1_linear_f32(const torch::Tensor&, const torch::Tensor&, const torch::Tensor&, const torch::Tensor&) {
+at::Tensor q4_1_linear_f32(const at::Tensor&, const at::Tensor&, const at::Tensor&, const at::Tensor&) {
   TORCH_CHECK(false, "q4_1_linear_f32 needs a build for a CPU with AVX2 and FMA");
 }
 
-torch::Tensor q8_0_linear_f32(const torch::Tensor&, const torch::Tensor&, const torch::Tensor&) {
+at::Tensor q8_0_linear_f32(const at::Tensor&, const at::Tensor&, const at::Tensor&) {
   TORCH_CHECK(false, "q8_0_linear_f32 needs a build for a CPU with AVX2 and FMA");
 }
 #endif
