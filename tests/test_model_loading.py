@@ -12,7 +12,7 @@ import gguf
 import pytest
 import torch
 from safetensors.torch import load_file, save_file
-from transformers import AutoModelForCausalLM
+from transformers import AutoModelForCausalLM, AutoTokenizer
 
 from isoserve.model import int4, q8_0
 from isoserve.model.quantized import COMPANION_SUFFIXES
@@ -146,7 +146,23 @@ def test_tokenizer_round_trips_text_and_has_chat_template(smollm2):
         prompt = tok.apply_chat_template([{"role": "user", "content": "hi"}], tokenize=False,
                                          add_generation_prompt=True)
         assert prompt.endswith("<|im_start|>user\nhi<|im_end|>\n<|im_start|>assistant\n")
-    assert smollm2[0].tokenizer.encode(TEXT) == smollm2[1].tokenizer.encode(TEXT)
+    assert_same_tokenizer(smollm2[1].tokenizer, smollm2[0].tokenizer)
+
+
+def assert_same_tokenizer(tok, reference) -> None:
+    """The same class, vocabulary, special tokens and chat template, and the same ids and text."""
+    assert type(tok) is type(reference)
+    assert tok.get_vocab() == reference.get_vocab()
+    assert tok.all_special_tokens == reference.all_special_tokens
+    assert ([tok.bos_token_id, tok.eos_token_id, tok.pad_token_id, tok.unk_token_id] ==
+            [reference.bos_token_id, reference.eos_token_id, reference.pad_token_id, reference.unk_token_id])
+    assert tok.chat_template == reference.chat_template
+    for text in (TEXT, "<|im_start|>user\nhi<|im_end|>\n", ""):
+        assert tok.encode(text) == reference.encode(text), text
+        assert tok.decode(tok.encode(text)) == reference.decode(reference.encode(text))
+    messages = [{"role": "system", "content": "Be brief."}, {"role": "user", "content": TEXT}]
+    assert (tok.apply_chat_template(messages, tokenize=False, add_generation_prompt=True) ==
+            reference.apply_chat_template(messages, tokenize=False, add_generation_prompt=True))
 
 
 @pytest.mark.parametrize("layer", [0, 14, 29])
@@ -204,9 +220,53 @@ def test_hf_folder_loads_identical_tensors(tiny_llama, smollm2, cache_dir):
     assert checkpoint.tokenizer.chat_template == smollm2[0].tokenizer.chat_template
 
 
-def test_hf_folder_casts_to_requested_dtype(tiny_llama):
-    checkpoint = load_checkpoint(str(tiny_llama), torch.bfloat16)  # HF folders never use the cache
+def test_hf_folder_casts_to_requested_dtype(tiny_llama, cache_dir):
+    checkpoint = load_checkpoint(str(tiny_llama), torch.bfloat16, cache_dir)  # HF weights are read as they are
     assert all(w.dtype == torch.bfloat16 for w in checkpoint.weights.values())
+
+
+def test_an_hf_folders_tokenizer_is_kept_and_read_back_as_autotokenizer_gives_it(tiny_llama, tmp_path, monkeypatch):
+    """The first load keeps the tokenizer, saved, in the cache (tokenizers/<digest>); later loads
+    read it through the class it names, never AutoTokenizer (whose read of the model's config
+    costs every process ~1.6 s), and get what AutoTokenizer gives for the folder."""
+    reference = AutoTokenizer.from_pretrained(tiny_llama, local_files_only=True)
+    first = load_checkpoint(str(tiny_llama), torch.float32, tmp_path).tokenizer
+    [entry] = (tmp_path / "tokenizers").iterdir()
+    assert (entry / "tokenizer.json").is_file() and (entry / "tokenizer_config.json").is_file()
+
+    def refuse(*args, **kwargs):
+        raise AssertionError("AutoTokenizer read a tokenizer the cache keeps")
+    monkeypatch.setattr(AutoTokenizer, "from_pretrained", refuse)
+    second = load_checkpoint(str(tiny_llama), torch.float32, tmp_path).tokenizer
+    assert_same_tokenizer(first, reference)
+    assert_same_tokenizer(second, reference)
+
+
+def test_a_changed_tokenizer_file_gets_a_kept_tokenizer_of_its_own(tiny_llama, tmp_path):
+    folder = tmp_path / "model"
+    shutil.copytree(tiny_llama, folder)
+    cache = tmp_path / "cache"
+    load_checkpoint(str(folder), torch.float32, cache)
+    (folder / "chat_template.jinja").write_text("{% for m in messages %}[{{ m['content'] }}]{% endfor %}")
+    tokenizer = load_checkpoint(str(folder), torch.float32, cache).tokenizer
+    assert len(list((cache / "tokenizers").iterdir())) == 2
+    assert tokenizer.apply_chat_template([{"role": "user", "content": "hi"}], tokenize=False) == "[hi]"
+    # Weights are not part of the digest: new weights, the same kept tokenizer.
+    save_file({k: v + 1 for k, v in load_file(folder / "model.safetensors").items()}, folder / "model.safetensors")
+    load_checkpoint(str(folder), torch.float32, cache)
+    assert len(list((cache / "tokenizers").iterdir())) == 2
+
+
+def test_an_unreadable_kept_tokenizer_is_replaced(tiny_llama, tmp_path, caplog):
+    load_checkpoint(str(tiny_llama), torch.float32, tmp_path)
+    [entry] = (tmp_path / "tokenizers").iterdir()
+    (entry / "tokenizer.json").write_text('{"version": "1.0", "trunc')  # a tail lost after the rename
+    with caplog.at_level(logging.WARNING, logger="isoserve.model"):
+        tokenizer = load_checkpoint(str(tiny_llama), torch.float32, tmp_path).tokenizer
+    assert "is unreadable" in caplog.text
+    reference = AutoTokenizer.from_pretrained(tiny_llama, local_files_only=True)
+    assert_same_tokenizer(tokenizer, reference)
+    assert_same_tokenizer(load_checkpoint(str(tiny_llama), torch.float32, tmp_path).tokenizer, reference)
 
 
 def test_tiny_llama_is_deterministic(tmp_path):

@@ -58,7 +58,7 @@ def load_checkpoint(model: str, dtype: torch.dtype, cache_dir: Path | None = Non
     from_cache = False
     if source.kind == "hf":
         config, weights = read_hf_checkpoint(source.path, dtype)
-        tokenizer = load_tokenizer(source)
+        tokenizer = _hf_tokenizer(source, Path(cache_dir or default_cache_dir()))
         cache_state = "unused"
     else:
         entry = Path(cache_dir or default_cache_dir()) / _cache_key(source.path, dtype)
@@ -153,17 +153,24 @@ def _sibling_tokenizer(source: ModelSource, dtype: torch.dtype, cache: Path) -> 
 
 def _write_cache_entry(entry: Path, config: ModelConfig, weights: dict[str, torch.Tensor],
                        tokenizer: PreTrainedTokenizerFast) -> None:
+    def fill(temp: Path) -> None:
+        save_file({k: v.contiguous() for k, v in weights.items()}, temp / "model.safetensors")
+        (temp / "config.json").write_text(json.dumps(asdict(config), indent=1))
+        tokenizer.save_pretrained(temp / "tokenizer")
+    _publish(entry, fill)
+
+
+def _publish(entry: Path, fill) -> None:
+    """Writes a cache folder: fill(temp) writes its files into a hidden temp folder beside it,
+    renamed into place in one step, so a crash mid-write leaves a temp folder but never a
+    half-written entry (temp folders a crashed writer left are removed once stale)."""
     entry.parent.mkdir(parents=True, exist_ok=True)
     for stale in entry.parent.glob(f".{entry.name}.*"):
         if time.time() - stale.stat().st_mtime > _STALE_TEMP_SECONDS:
             shutil.rmtree(stale, ignore_errors=True)
-    # Build the entry in a hidden temp folder and rename it into place in one step, so a crash
-    # mid-write leaves a temp folder but never a half-written entry.
     temp = Path(tempfile.mkdtemp(prefix=f".{entry.name}.", dir=entry.parent))
     try:
-        save_file({k: v.contiguous() for k, v in weights.items()}, temp / "model.safetensors")
-        (temp / "config.json").write_text(json.dumps(asdict(config), indent=1))
-        tokenizer.save_pretrained(temp / "tokenizer")
+        fill(temp)
         try:
             temp.rename(entry)
         except OSError:
@@ -171,6 +178,39 @@ def _write_cache_entry(entry: Path, config: ModelConfig, weights: dict[str, torc
                 raise  # otherwise a concurrent loader wrote the same entry first: keep theirs
     finally:
         shutil.rmtree(temp, ignore_errors=True)  # nothing left there after a successful rename
+
+
+# Files of a Hugging Face folder that no tokenizer reads: left out of its tokenizer's digest.
+_WEIGHT_SUFFIXES = (".safetensors", ".bin", ".pt", ".pth", ".gguf", ".h5", ".msgpack")
+
+
+def _hf_tokenizer(source: ModelSource, cache: Path) -> PreTrainedTokenizerFast:
+    """A Hugging Face folder's tokenizer: from the copy save_pretrained wrote in isoserve's
+    cache when it was first loaded (tokenizers/<digest>), which loads through its own class
+    (tokenizer.load_saved_tokenizer), else from the folder through AutoTokenizer, then kept
+    there. The digest covers the name and bytes of every file in the folder but its weights,
+    and transformers' version: whatever AutoTokenizer reads, changed, is a new entry."""
+    import transformers
+
+    digest = hashlib.sha256(f"transformers {transformers.__version__}".encode())
+    for path in sorted(source.path.iterdir()):
+        if path.is_file() and not path.name.endswith(_WEIGHT_SUFFIXES):
+            content = path.read_bytes()
+            digest.update(f"\0{path.name}\0{len(content)}\0".encode())
+            digest.update(content)
+    entry = cache / "tokenizers" / digest.hexdigest()[:16]
+    if (entry / "tokenizer.json").is_file():
+        try:
+            return load_tokenizer(source, entry)
+        except Exception as e:  # e.g. files truncated by a power loss after the rename
+            log.warning("tokenizer kept at %s is unreadable (%s); loading it from %s", entry, e, source.path)
+            shutil.rmtree(entry, ignore_errors=True)
+    tokenizer = load_tokenizer(source)
+    try:
+        _publish(entry, tokenizer.save_pretrained)
+    except OSError as e:  # a read-only cache: every load goes through AutoTokenizer
+        log.warning("could not keep the tokenizer of %s in %s (%s)", source.path, cache, e)
+    return tokenizer
 
 
 def _check_weights(config: ModelConfig, weights: dict[str, torch.Tensor]) -> None:
