@@ -191,7 +191,7 @@ def build_parser() -> argparse.ArgumentParser:
     add.add_argument("--max-queued-tokens", type=int, default=None,
                      help="prompt + max_tokens over this tenant's requests in flight (default: serve's)")
 
-    from isoserve.probe.main import add_arguments as add_probe_arguments
+    from isoserve.probe.arguments import add_arguments as add_probe_arguments
     probe = sub.add_parser("probe", help="black-box leak probe of an OpenAI-compatible server "
                                          "(exit 0: no findings, 1: findings, 2: could not run)")
     add_probe_arguments(probe)

@@ -26,12 +26,12 @@ import random
 import time
 from dataclasses import dataclass, field
 
+from isoserve.probe import SCENARIOS
 from isoserve.probe.canaries import FUZZY_THRESHOLD, victim_prompt
 from isoserve.probe.http import Completion, Endpoint, ProbeError
 from isoserve.probe.oracles import UNAVAILABLE, Finding, Judge
 from isoserve.probe.records import Prompt, Record, idle_results
 
-SCENARIOS = ("limit", "pools", "abort", "mixed")
 MAX_FAR_ABOVE_EXTRA = 65536  # "far above" is 4x the limit, but at most this much above it
 UNAVAILABLE_WAIT_S = 30.0    # how long a request waits out an unavailable server (a restart)
 
