@@ -181,7 +181,8 @@ def _publish(entry: Path, fill) -> None:
 
 
 # Files of a Hugging Face folder that no tokenizer reads: left out of its tokenizer's digest.
-_WEIGHT_SUFFIXES = (".safetensors", ".bin", ".pt", ".pth", ".gguf", ".h5", ".msgpack")
+_WEIGHT_SUFFIXES = (".safetensors", ".bin", ".pt", ".pth", ".ckpt", ".gguf", ".h5", ".msgpack", ".onnx", ".ot",
+                    ".tflite", ".npz")
 
 
 def _hf_tokenizer(source: ModelSource, cache: Path) -> PreTrainedTokenizerFast:
