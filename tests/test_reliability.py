@@ -101,7 +101,8 @@ def back_in_service(server, keys: dict, role: str, old_pid: int) -> None:
 
 def test_kill_decode_worker_mid_stream_under_load(tmp_path, model, tenants):
     """Each worker process slows only its first 200 steps (6 s): enough to kill the decode
-    worker under six streams of 600 tokens, and the probe after its restart runs at speed."""
+    worker under six streams of 600 tokens. The count is per process, so the restarted decode
+    worker slows its first 200 steps too, those of the completions and probe after it."""
     keys = tenants[1]
     with serve(tmp_path, model, tenants, failpoints="worker.step_delay_ms=30x200") as server:
         name = model_name(server.base_url, keys["alice"])
