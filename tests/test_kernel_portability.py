@@ -6,8 +6,8 @@ compile goes unnoticed on an AVX-512 machine, and on a Zen 3 host the build then
 every layer falls back to torch ops, several times slower (session 32's float32 prefill
 attention kernel did so, found in session 33: an AVX-512-only type used outside its guard).
 Each source is compiled here, syntax only, for x86-64-v3 (AVX2 and FMA, no AVX-512) with the
-build's other flags, on every core. tensors.h, the part of ATen every kernel source includes
-first and most of its parse, is precompiled once for those flags and included first. Where the
+build's other flags, on every core. tensors.h, the part of ATen the kernel sources include
+first and most of their parse, is precompiled once for those flags and included first. Where the
 precompiled header cannot be built or used, gcc parses the header itself, so the check is the
 same either way.
 """

@@ -18,6 +18,7 @@ from isoserve.model import int4, q8_0
 from isoserve.model.quantized import COMPANION_SUFFIXES
 from isoserve.model.loader import default_cache_dir, load_checkpoint
 from isoserve.model.registry import DEFAULT_MODEL, resolve_model
+from isoserve.model.tokenizer import SAVED_CLASS_FILE, load_saved_tokenizer, save_tokenizer
 from tiny_models import make_tiny_gguf, make_tiny_llama
 
 TEXT = "Hello world! The invoice is due on 2026-09-15, Yusuf Okonkwo-Reyes.\n  Ünïcödé ✓"
@@ -251,10 +252,47 @@ def test_a_changed_tokenizer_file_gets_a_kept_tokenizer_of_its_own(tiny_llama, t
     tokenizer = load_checkpoint(str(folder), torch.float32, cache).tokenizer
     assert len(list((cache / "tokenizers").iterdir())) == 2
     assert tokenizer.apply_chat_template([{"role": "user", "content": "hi"}], tokenize=False) == "[hi]"
+    # So is a file in a subfolder that AutoTokenizer reads (its additional chat templates).
+    extra = folder / "additional_chat_templates" / "tool_use.jinja"
+    extra.parent.mkdir()
+    for version, entries in (("old", 3), ("new", 4)):
+        extra.write_text(version + "{% for m in messages %}{{ m['content'] }}{% endfor %}")
+        tokenizer = load_checkpoint(str(folder), torch.float32, cache).tokenizer
+        assert len(list((cache / "tokenizers").iterdir())) == entries
+        assert tokenizer.apply_chat_template([{"role": "user", "content": "hi"}], chat_template="tool_use",
+                                             tokenize=False) == version + "hi"
     # Weights are not part of the digest: new weights, the same kept tokenizer.
     save_file({k: v + 1 for k, v in load_file(folder / "model.safetensors").items()}, folder / "model.safetensors")
     load_checkpoint(str(folder), torch.float32, cache)
-    assert len(list((cache / "tokenizers").iterdir())) == 2
+    assert len(list((cache / "tokenizers").iterdir())) == 4
+
+
+def test_a_saved_tokenizer_isoserve_did_not_record_goes_through_autotokenizer(tiny_llama, tmp_path, monkeypatch):
+    """tokenizer_config.json's class is not always the class saved: transformers 4 saved a
+    LlamaTokenizerFast as "LlamaTokenizer", and that class read by name over SmolLM2's ByteLevel
+    tokenizer.json gives other ids. Only the class isoserve recorded, under the transformers
+    version that saved it, is read by name; anything else goes through AutoTokenizer."""
+    reference = AutoTokenizer.from_pretrained(tiny_llama, local_files_only=True)
+    recorded = tmp_path / "recorded"
+    save_tokenizer(reference, recorded)
+    as_transformers_4_saved = tmp_path / "unrecorded"
+    reference.save_pretrained(as_transformers_4_saved)
+    config = json.loads((as_transformers_4_saved / "tokenizer_config.json").read_text())
+    (as_transformers_4_saved / "tokenizer_config.json").write_text(json.dumps({**config, "tokenizer_class": "LlamaTokenizer"}))
+    other_version = tmp_path / "other-version"
+    shutil.copytree(recorded, other_version)
+    saved = json.loads((other_version / SAVED_CLASS_FILE).read_text())
+    (other_version / SAVED_CLASS_FILE).write_text(json.dumps({**saved, "transformers": "4.57.1"}))
+
+    calls = []
+    real = AutoTokenizer.from_pretrained.__func__
+    monkeypatch.setattr(AutoTokenizer, "from_pretrained",
+                        classmethod(lambda cls, *a, **k: calls.append(a[0]) or real(cls, *a, **k)))
+    assert_same_tokenizer(load_saved_tokenizer(recorded), reference)
+    assert calls == []
+    for folder in (as_transformers_4_saved, other_version):
+        assert_same_tokenizer(load_saved_tokenizer(folder), reference)
+    assert calls == [as_transformers_4_saved, other_version]
 
 
 def test_an_unreadable_kept_tokenizer_is_replaced(tiny_llama, tmp_path, caplog):

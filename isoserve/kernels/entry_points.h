@@ -21,7 +21,8 @@ at::Tensor decode_attention(const at::Tensor& q, const at::Tensor& k_cache, cons
                             const at::Tensor& pages, const at::Tensor& lens, double scale, bool bf16_dot);
 // What this build's kernels run on: decode_attention scores a bfloat16 pool with the CPU's
 // bfloat16 dot product (AVX512-BF16); a float8 pool's codes widen on AVX-512 (fp8.h; elsewhere
-// its attention runs ~2.5x a bfloat16 pool's time); float32 has kernels of its own on AVX2 (f32x8.h)
+// its attention runs ~2.5x a bfloat16 pool's time: AVX2, float32 model, batch 32); float32 has
+// kernels of its own on AVX2 (f32x8.h)
 bool has_bf16_dot();
 bool fast_fp8_kv();
 bool has_f32x8();

@@ -3,7 +3,7 @@
 //
 // This is the only source that includes torch's Python API (pybind11 and its tensor casters),
 // whose inline code made most of every source's build (tensors.h). torch/python.h, not
-// torch/extension.h, which adds torch's whole C++ frontend: 30 s of -O3 instead of 53 here.
+// torch/extension.h, which adds the rest of torch's C++ frontend: 30 s of -O3 instead of 53 here.
 #include <torch/python.h>
 #include <pybind11/stl.h>
 
@@ -76,7 +76,10 @@ PYBIND11_MODULE(TORCH_EXTENSION_NAME, m) {
         "causal attention of a step's prefill chunks over their pages into out's rows, in float32 on AVX-512",
         py::arg("q"), py::arg("k_cache"), py::arg("v_cache"), py::arg("chunks"), py::arg("pages"),
         py::arg("out"), py::arg("scale"));
-  py::class_<isoserve::DecoderStack>(m, "DecoderStack", "A decode step's decoder layers in one call (model/decoder_stack.py)")
+  // module_local: two builds of this module in one process (a benchmark comparing them) each keep
+  // their own DecoderStack type instead of clashing in pybind11's registry of global types.
+  py::class_<isoserve::DecoderStack>(m, "DecoderStack", "A decode step's decoder layers in one call (model/decoder_stack.py)",
+                                     py::module_local())
       .def(py::init<const std::vector<std::vector<at::Tensor>>&, int64_t, double>(), py::arg("layers"), py::arg("heads"),
            py::arg("eps"))
       .def_property_readonly("num_layers", &isoserve::DecoderStack::num_layers)

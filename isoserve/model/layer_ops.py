@@ -17,7 +17,7 @@
                   None: the sampler's torch ops, the reference)
 
 `TorchOps` runs them as torch ops; it is the reference. `FusedOps` runs each as one call into
-the fused CPU kernels (kernels/cpu_ops.cpp and the files it binds), which round where the
+the fused CPU kernels (kernels/cpu_ops.cpp and the others kernels/module.cpp binds), which round where the
 reference rounds, but for the plain draw: its weights round apart from torch's softmax (the
 same distribution; a target within ~1e-7 of a boundary may take the neighbouring token). At batch 1
 the torch versions are ~50 small op calls per layer, a third of the step's time; fused, a

@@ -27,7 +27,7 @@ from isoserve.model.config import ModelConfig
 from isoserve.model.gguf_loader import has_q4_1_projections, read_gguf
 from isoserve.model.hf_loader import read_hf_checkpoint
 from isoserve.model.registry import ModelSource, resolve_model
-from isoserve.model.tokenizer import load_tokenizer
+from isoserve.model.tokenizer import SAVED_CLASS_FILE, load_saved_tokenizer, load_tokenizer, save_tokenizer
 
 if TYPE_CHECKING:
     from transformers import PreTrainedTokenizerFast
@@ -156,7 +156,7 @@ def _write_cache_entry(entry: Path, config: ModelConfig, weights: dict[str, torc
     def fill(temp: Path) -> None:
         save_file({k: v.contiguous() for k, v in weights.items()}, temp / "model.safetensors")
         (temp / "config.json").write_text(json.dumps(asdict(config), indent=1))
-        tokenizer.save_pretrained(temp / "tokenizer")
+        save_tokenizer(tokenizer, temp / "tokenizer")
     _publish(entry, fill)
 
 
@@ -186,30 +186,32 @@ _WEIGHT_SUFFIXES = (".safetensors", ".bin", ".pt", ".pth", ".ckpt", ".gguf", ".h
 
 
 def _hf_tokenizer(source: ModelSource, cache: Path) -> PreTrainedTokenizerFast:
-    """A Hugging Face folder's tokenizer: from the copy save_pretrained wrote in isoserve's
-    cache when it was first loaded (tokenizers/<digest>), which loads through its own class
+    """A Hugging Face folder's tokenizer: from the copy save_tokenizer wrote in isoserve's cache
+    when it was first loaded (tokenizers/<digest>), which loads through its own class
     (tokenizer.load_saved_tokenizer), else from the folder through AutoTokenizer, then kept
-    there. The digest covers the name and bytes of every file in the folder but its weights,
-    and transformers' version: whatever AutoTokenizer reads, changed, is a new entry."""
+    there. The digest covers the path and bytes of every file under the folder but its weights,
+    and the versions of transformers and tokenizers: whatever AutoTokenizer reads, changed, is a
+    new entry."""
+    import tokenizers
     import transformers
 
-    digest = hashlib.sha256(f"transformers {transformers.__version__}".encode())
-    for path in sorted(source.path.iterdir()):
+    digest = hashlib.sha256(f"transformers {transformers.__version__} tokenizers {tokenizers.__version__}".encode())
+    for path in sorted(source.path.rglob("*")):
         if path.is_file() and not path.name.endswith(_WEIGHT_SUFFIXES):
             content = path.read_bytes()
-            digest.update(f"\0{path.name}\0{len(content)}\0".encode())
+            digest.update(f"\0{path.relative_to(source.path).as_posix()}\0{len(content)}\0".encode())
             digest.update(content)
     entry = cache / "tokenizers" / digest.hexdigest()[:16]
-    if (entry / "tokenizer.json").is_file():
+    if (entry / SAVED_CLASS_FILE).is_file():
         try:
-            return load_tokenizer(source, entry)
+            return load_saved_tokenizer(entry)
         except Exception as e:  # e.g. files truncated by a power loss after the rename
             log.warning("tokenizer kept at %s is unreadable (%s); loading it from %s", entry, e, source.path)
             shutil.rmtree(entry, ignore_errors=True)
     tokenizer = load_tokenizer(source)
     try:
-        _publish(entry, tokenizer.save_pretrained)
-    except OSError as e:  # a read-only cache: every load goes through AutoTokenizer
+        _publish(entry, lambda temp: save_tokenizer(tokenizer, temp))
+    except Exception as e:  # a read-only cache, a tokenizer that cannot save: the next load pays again
         log.warning("could not keep the tokenizer of %s in %s (%s)", source.path, cache, e)
     return tokenizer
 

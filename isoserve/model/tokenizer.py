@@ -12,7 +12,7 @@ if TYPE_CHECKING:
 
 
 def load_tokenizer(source: ModelSource, cache_dir: Path | None = None) -> PreTrainedTokenizerFast:
-    """The tokenizer from `cache_dir` when that folder holds one written by save_pretrained (a
+    """The tokenizer from `cache_dir` when that folder holds a saved one (save_tokenizer: a
     GGUF's converted-weights cache entry keeps one, isoserve's cache one for each Hugging Face
     folder's tokenizer: model/loader.py), otherwise built from the source.
 
@@ -32,20 +32,47 @@ def load_tokenizer(source: ModelSource, cache_dir: Path | None = None) -> PreTra
     return AutoTokenizer.from_pretrained(source.path, local_files_only=True)
 
 
-def load_saved_tokenizer(folder: Path) -> PreTrainedTokenizerFast:
-    """The tokenizer that save_pretrained wrote to `folder`, through the class it names there.
+# Written beside a tokenizer isoserve saved (save_tokenizer): its class's module and name, and
+# the transformers version that saved it. save_pretrained's tokenizer_config.json names a class
+# too, but not always the class saved: transformers 4 dropped "Fast", and a LlamaTokenizer read
+# over a ByteLevel tokenizer.json by transformers 5 gives other ids than AutoTokenizer's choice.
+SAVED_CLASS_FILE = "isoserve_tokenizer.json"
 
-    AutoTokenizer would choose the class again from tokenizer_config.json and the model's
-    config, and reading that config imports the model's configuration module, which in
-    transformers 5 imports its model-loading and distributed code (torch.distributed.tensor,
-    sympy): ~1.6 s of CPU in each process that loads a tokenizer, the server and each worker
-    alike, all at once when a server starts. The class saved is that of the tokenizer written,
-    the one AutoTokenizer chose for the source. A folder naming no tokenizer class that
-    transformers exports goes through AutoTokenizer."""
+
+def save_tokenizer(tokenizer: PreTrainedTokenizerFast, folder: Path) -> None:
+    """save_pretrained, and the class it saved (SAVED_CLASS_FILE), for load_saved_tokenizer."""
     import transformers
 
-    name = json.loads((folder / "tokenizer_config.json").read_text()).get("tokenizer_class")
-    cls = getattr(transformers, name, None) if isinstance(name, str) and name.isidentifier() else None
+    tokenizer.save_pretrained(folder)
+    cls = type(tokenizer)
+    (Path(folder) / SAVED_CLASS_FILE).write_text(json.dumps(
+        {"module": cls.__module__, "class": cls.__qualname__, "transformers": transformers.__version__}))
+
+
+def load_saved_tokenizer(folder: Path) -> PreTrainedTokenizerFast:
+    """The tokenizer save_tokenizer wrote to `folder`: through the class it was, where this
+    transformers version saved it, else through AutoTokenizer.
+
+    AutoTokenizer chooses the class again from tokenizer_config.json and the model's config,
+    and reading that config imports the model's configuration module, which in transformers 5
+    imports its model-loading and distributed code (torch.distributed.tensor, sympy): ~1.6 s of
+    CPU in each process that loads a tokenizer, the server and each worker alike, all at once
+    when a server starts. The class saved is the one AutoTokenizer chose for the source."""
+    import importlib
+
+    import transformers
+
+    try:
+        saved = json.loads((folder / SAVED_CLASS_FILE).read_text())
+    except (OSError, ValueError):  # written by an isoserve before SAVED_CLASS_FILE, or damaged
+        saved = {}
+    cls = None
+    if (isinstance(saved, dict) and saved.get("transformers") == transformers.__version__
+            and str(saved.get("module")).startswith("transformers.")):
+        try:
+            cls = getattr(importlib.import_module(saved["module"]), str(saved.get("class")), None)
+        except ImportError:
+            cls = None
     if isinstance(cls, type) and issubclass(cls, transformers.PreTrainedTokenizerBase):
         return cls.from_pretrained(folder, local_files_only=True)
     return transformers.AutoTokenizer.from_pretrained(folder, local_files_only=True)
