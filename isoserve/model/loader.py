@@ -113,14 +113,11 @@ def _cache_key(gguf: Path, dtype: torch.dtype) -> str:
 
 
 def _read_cache_entry(entry: Path, source: ModelSource):
-    try:
+    def read():
         raw = json.loads((entry / "config.json").read_text())
         config = ModelConfig(**{**raw, "eos_token_ids": tuple(raw["eos_token_ids"])})  # JSON has lists
         return config, load_file(entry / "model.safetensors"), load_tokenizer(source, entry / "tokenizer")
-    except Exception as e:  # e.g. files truncated by a power loss after the rename
-        log.warning("cache entry %s is unreadable (%s); converting again", entry, e)
-        shutil.rmtree(entry, ignore_errors=True)
-        return None
+    return _read_entry(entry, read, "cache entry")
 
 
 # The dtypes a GGUF is converted to; entries of the same file in another one hold its tokenizer.
@@ -130,10 +127,12 @@ _ENTRY_DTYPES = (torch.float32, torch.bfloat16, torch.float16)
 def _convert_gguf(source: ModelSource, dtype: torch.dtype, entry: Path):
     config, weights = read_gguf(source.path, dtype)
     tokenizer = _sibling_tokenizer(source, dtype, entry.parent) or load_tokenizer(source)
-    try:
-        _write_cache_entry(entry, config, weights, tokenizer)
-    except OSError as e:  # a full disk or read-only cache dir costs speed, not the load
-        log.warning("could not cache converted weights at %s: %s", entry, e)
+
+    def fill(temp: Path) -> None:
+        save_file({k: v.contiguous() for k, v in weights.items()}, temp / "model.safetensors")
+        (temp / "config.json").write_text(json.dumps(asdict(config), indent=1))
+        save_tokenizer(tokenizer, temp / "tokenizer")
+    _keep(entry, fill, "the converted weights")
     return config, weights, tokenizer
 
 
@@ -151,33 +150,40 @@ def _sibling_tokenizer(source: ModelSource, dtype: torch.dtype, cache: Path) -> 
     return None
 
 
-def _write_cache_entry(entry: Path, config: ModelConfig, weights: dict[str, torch.Tensor],
-                       tokenizer: PreTrainedTokenizerFast) -> None:
-    def fill(temp: Path) -> None:
-        save_file({k: v.contiguous() for k, v in weights.items()}, temp / "model.safetensors")
-        (temp / "config.json").write_text(json.dumps(asdict(config), indent=1))
-        save_tokenizer(tokenizer, temp / "tokenizer")
-    _publish(entry, fill)
+def _read_entry(entry: Path, read, what: str):
+    """read(), or None where the cache folder `entry` cannot be read (e.g. files truncated by a
+    power loss after the rename): it is removed then, to be written again."""
+    try:
+        return read()
+    except Exception as e:
+        log.warning("%s at %s is unreadable (%s); building it again", what, entry, e)
+        shutil.rmtree(entry, ignore_errors=True)
+        return None
 
 
-def _publish(entry: Path, fill) -> None:
+def _keep(entry: Path, fill, what: str) -> None:
     """Writes a cache folder: fill(temp) writes its files into a hidden temp folder beside it,
     renamed into place in one step, so a crash mid-write leaves a temp folder but never a
-    half-written entry (temp folders a crashed writer left are removed once stale)."""
-    entry.parent.mkdir(parents=True, exist_ok=True)
-    for stale in entry.parent.glob(f".{entry.name}.*"):
-        if time.time() - stale.stat().st_mtime > _STALE_TEMP_SECONDS:
-            shutil.rmtree(stale, ignore_errors=True)
-    temp = Path(tempfile.mkdtemp(prefix=f".{entry.name}.", dir=entry.parent))
+    half-written entry (temp folders a crashed writer left are removed once stale). Failing
+    costs the next load speed, not this one (a full disk, a read-only cache folder, something
+    that cannot be saved): a warning."""
     try:
-        fill(temp)
+        entry.parent.mkdir(parents=True, exist_ok=True)
+        for stale in entry.parent.glob(f".{entry.name}.*"):
+            if time.time() - stale.stat().st_mtime > _STALE_TEMP_SECONDS:
+                shutil.rmtree(stale, ignore_errors=True)
+        temp = Path(tempfile.mkdtemp(prefix=f".{entry.name}.", dir=entry.parent))
         try:
-            temp.rename(entry)
-        except OSError:
-            if not entry.is_dir():
-                raise  # otherwise a concurrent loader wrote the same entry first: keep theirs
-    finally:
-        shutil.rmtree(temp, ignore_errors=True)  # nothing left there after a successful rename
+            fill(temp)
+            try:
+                temp.rename(entry)
+            except OSError:
+                if not entry.is_dir():
+                    raise  # otherwise a concurrent loader wrote the same entry first: keep theirs
+        finally:
+            shutil.rmtree(temp, ignore_errors=True)  # nothing left there after a successful rename
+    except Exception as e:
+        log.warning("could not keep %s at %s (%s)", what, entry, e)
 
 
 # Files of a Hugging Face folder that no tokenizer reads: left out of its tokenizer's digest.
@@ -203,16 +209,11 @@ def _hf_tokenizer(source: ModelSource, cache: Path) -> PreTrainedTokenizerFast:
             digest.update(content)
     entry = cache / "tokenizers" / digest.hexdigest()[:16]
     if (entry / SAVED_CLASS_FILE).is_file():
-        try:
-            return load_saved_tokenizer(entry)
-        except Exception as e:  # e.g. files truncated by a power loss after the rename
-            log.warning("tokenizer kept at %s is unreadable (%s); loading it from %s", entry, e, source.path)
-            shutil.rmtree(entry, ignore_errors=True)
+        kept = _read_entry(entry, lambda: load_saved_tokenizer(entry), "kept tokenizer")
+        if kept is not None:
+            return kept
     tokenizer = load_tokenizer(source)
-    try:
-        _publish(entry, lambda temp: save_tokenizer(tokenizer, temp))
-    except Exception as e:  # a read-only cache, a tokenizer that cannot save: the next load pays again
-        log.warning("could not keep the tokenizer of %s in %s (%s)", source.path, cache, e)
+    _keep(entry, lambda temp: save_tokenizer(tokenizer, temp), f"the tokenizer of {source.path}")
     return tokenizer
 
 
