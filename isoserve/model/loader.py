@@ -27,7 +27,7 @@ from isoserve.model.config import ModelConfig
 from isoserve.model.gguf_loader import has_q4_1_projections, read_gguf
 from isoserve.model.hf_loader import read_hf_checkpoint
 from isoserve.model.registry import ModelSource, resolve_model
-from isoserve.model.tokenizer import SAVED_CLASS_FILE, load_saved_tokenizer, load_tokenizer, save_tokenizer
+from isoserve.model.tokenizer import load_saved_tokenizer, load_tokenizer, save_tokenizer
 
 if TYPE_CHECKING:
     from transformers import PreTrainedTokenizerFast
@@ -208,10 +208,11 @@ def _hf_tokenizer(source: ModelSource, cache: Path) -> PreTrainedTokenizerFast:
             digest.update(f"\0{path.relative_to(source.path).as_posix()}\0{len(content)}\0".encode())
             digest.update(content)
     entry = cache / "tokenizers" / digest.hexdigest()[:16]
-    if (entry / SAVED_CLASS_FILE).is_file():
-        kept = _read_entry(entry, lambda: load_saved_tokenizer(entry), "kept tokenizer")
-        if kept is not None:
-            return kept
+    # As for the converted weights: _keep renames an entry into place whole, so one that exists
+    # is read, and one that cannot be is removed (to be kept again below).
+    kept = _read_entry(entry, lambda: load_saved_tokenizer(entry), "kept tokenizer") if entry.is_dir() else None
+    if kept is not None:
+        return kept
     tokenizer = load_tokenizer(source)
     _keep(entry, lambda temp: save_tokenizer(tokenizer, temp), f"the tokenizer of {source.path}")
     return tokenizer
